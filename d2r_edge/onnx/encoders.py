@@ -1,0 +1,227 @@
+"""Encoder-only roles on ONNX Runtime: NLI, cross-encoder reranker, embedder.
+
+Texts are tokenized with the exported `tokenizer.json`, sorted by length and
+cut into batches under a token budget (padding to the longest in a batch),
+then put back in the caller's order: callers never see batch boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from d2r_edge.errors import ConfigError, InputError
+from d2r_edge.onnx.manifest import Manifest, Role, RoleEntry, Variant
+from d2r_edge.onnx.session import SessionConfig, open_session
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Token budget of one ONNX run (batch rows x padded length)."""
+
+    max_batch_tokens: int = 8192
+    max_batch_rows: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1 or self.max_batch_rows < 1:
+            raise ConfigError("max_batch_tokens and max_batch_rows must be >= 1")
+
+
+def check_text(text: object, index: int) -> str:
+    """A text that can be UTF-8 encoded, or a typed error naming the item."""
+    if not isinstance(text, str):
+        raise InputError(f"item {index}: expected str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(
+            f"item {index}: text is not valid Unicode ({exc.reason} at {exc.start}); "
+            f"decode your input with errors='replace' first"
+        ) from None
+    return text
+
+
+def load_tokenizer(entry: RoleEntry, max_length_tokens: int | None = None):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(entry.tokenizer_path()))
+    tok.no_padding()  # the packaged MiniLM tokenizer pads to a fixed 128 otherwise
+    tok.enable_truncation(max_length_tokens or entry.max_length_tokens)
+    return tok
+
+
+def token_batches(lengths: Sequence[int], cfg: BatchConfig) -> list[np.ndarray]:
+    """Index batches in ascending length order, each under the token budget."""
+    order = np.argsort(np.asarray(lengths), kind="stable")
+    batches, current, longest = [], [], 0
+    for idx in order:
+        n = int(lengths[idx])
+        grown = max(longest, n)
+        if current and (grown * (len(current) + 1) > cfg.max_batch_tokens
+                        or len(current) >= cfg.max_batch_rows):
+            batches.append(np.asarray(current))
+            current, grown = [], n
+        current.append(int(idx))
+        longest = grown
+    if current:
+        batches.append(np.asarray(current))
+    return batches
+
+
+class _Encoder:
+    """Shared plumbing: one session, one tokenizer, feeds named by the model."""
+
+    role: Role
+
+    def __init__(self, manifest: Manifest, *, variant: Variant = Variant.INT8,
+                 session: SessionConfig = SessionConfig(), batch: BatchConfig = BatchConfig(),
+                 allow_random_weights: bool = False) -> None:
+        self.entry = manifest.role(self.role, allow_random_weights=allow_random_weights)
+        paths = self.entry.variant_paths(variant)
+        self.variant = variant
+        self.session = open_session(paths["model.onnx"], session)
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.tokenizer = load_tokenizer(self.entry)
+        self.batch = batch
+        self.pad_id = self._pad_id()
+
+    def _pad_id(self) -> int:
+        for token in ("[PAD]", "<pad>", "<PAD>"):
+            idx = self.tokenizer.token_to_id(token)
+            if idx is not None:
+                return idx
+        return 0
+
+    def _encode(self, texts: Sequence[str] | None = None,
+                pairs: Sequence[tuple[str, str]] | None = None,
+                truncate: str = "only_first") -> list:
+        """Encodings; for pairs, `truncate` names the member cut first (the passage)."""
+        if pairs is None:
+            texts = [check_text(t, i) for i, t in enumerate(texts or [])]
+            return self.tokenizer.encode_batch(texts)
+        pairs = [(check_text(a, i), check_text(b, i)) for i, (a, b) in enumerate(pairs)]
+        max_len = self.entry.max_length_tokens
+        try:
+            self.tokenizer.enable_truncation(max_len, strategy=truncate)
+            try:
+                return self.tokenizer.encode_batch(pairs)
+            except Exception:
+                # Some member alone overflows: cut both for those (rare).
+                out = []
+                for a, b in pairs:
+                    try:
+                        out.append(self.tokenizer.encode(a, b))
+                    except Exception:
+                        self.tokenizer.enable_truncation(max_len, strategy="longest_first")
+                        out.append(self.tokenizer.encode(a, b))
+                        self.tokenizer.enable_truncation(max_len, strategy=truncate)
+                return out
+        finally:
+            self.tokenizer.enable_truncation(max_len, strategy="longest_first")
+
+    def _feeds(self, encs: list) -> dict[str, np.ndarray]:
+        width = max(len(e.ids) for e in encs)
+        ids = np.full((len(encs), width), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(encs), width), dtype=np.int64)
+        types = np.zeros((len(encs), width), dtype=np.int64)
+        for row, enc in enumerate(encs):
+            n = len(enc.ids)
+            ids[row, :n] = enc.ids
+            mask[row, :n] = 1
+            types[row, :n] = enc.type_ids
+        table = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+        return {name: table[name] for name in self.input_names}
+
+    def _run(self, encs: list) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(first output, attention mask) per batch, with the batch's indices."""
+        out = []
+        for idx in token_batches([len(e.ids) for e in encs], self.batch):
+            feeds = self._feeds([encs[i] for i in idx])
+            result = self.session.run(self.output_names[:1], feeds)[0]
+            out.append((idx, result, feeds["attention_mask"]))
+        return out
+
+    def warmup(self) -> None:
+        """One small run so the first real call does not pay allocation costs."""
+        self._run(self._encode(texts=["warm up"]))
+
+
+class NLI(_Encoder):
+    """3-way NLI cross-encoder; labels come from the manifest's `id2label`."""
+
+    role = Role.NLI
+
+    @property
+    def labels(self) -> list[str]:
+        return [self.entry.id2label[i] for i in sorted(self.entry.id2label)]
+
+    def logits(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
+        """Raw logits, shape (n, n_labels), columns in `id2label` order."""
+        pairs = list(pairs)
+        n_labels = len(self.entry.id2label)
+        if not pairs:
+            return np.zeros((0, n_labels), dtype=np.float32)
+        encs = self._encode(pairs=pairs)
+        out = np.empty((len(pairs), n_labels), dtype=np.float32)
+        for idx, logits, _ in self._run(encs):
+            out[idx] = logits
+        return out
+
+    def score(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
+        """Probabilities (softmax over labels), shape (n, n_labels); (premise, hypothesis)."""
+        logits = self.logits(pairs).astype(np.float64)
+        if logits.size == 0:
+            return logits.astype(np.float32)
+        logits -= logits.max(axis=1, keepdims=True)
+        probs = np.exp(logits)
+        return (probs / probs.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+class CrossEncoder(_Encoder):
+    """1-logit relevance cross-encoder over (query, passage)."""
+
+    role = Role.RERANKER
+
+    def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
+        pairs = list(pairs)
+        if not pairs:
+            return np.zeros(0, dtype=np.float32)
+        out = np.empty(len(pairs), dtype=np.float32)
+        # (query, passage) as ms-marco cross-encoders are trained: cut the passage
+        encs = self._encode(pairs=pairs, truncate="only_second")
+        for idx, logits, _ in self._run(encs):
+            out[idx] = logits.reshape(len(idx), -1)[:, 0]
+        return out
+
+    def score(self, query: str, passages: Sequence[str]) -> np.ndarray:
+        """Relevance logit of each passage for the query (higher = more relevant)."""
+        return self.score_pairs([(query, p) for p in passages])
+
+
+class Embedder(_Encoder):
+    """Mean-pooled, L2-normalized sentence vectors (sentence-transformers pooling)."""
+
+    role = Role.EMBEDDER
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        texts = list(texts)
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        encs = self._encode(texts=texts)
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        for idx, hidden, mask in self._run(encs):
+            m = mask[..., None].astype(np.float32)
+            pooled = (hidden * m).sum(axis=1) / np.maximum(m.sum(axis=1), 1e-9)
+            norm = np.linalg.norm(pooled, axis=1, keepdims=True)
+            out[idx] = pooled / np.maximum(norm, 1e-12)
+        return out
+
+    @property
+    def dim(self) -> int:
+        return int(self.session.get_outputs()[0].shape[-1])

@@ -1,0 +1,121 @@
+"""The one place that opens ONNX Runtime sessions.
+
+Provider choice: CUDA when a GPU is visible *and* the CUDA provider really
+loads, else CPU, with one log line saying which and why. On CUDA the arena
+grows by what is requested (the default power-of-two growth would swamp a
+6 MB per-action budget).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from enum import Enum
+from functools import lru_cache
+from pathlib import Path
+
+from d2r_edge.errors import ConfigError, ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+class Device(str, Enum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How sessions are opened. `intra_op_threads=0` means one per core."""
+
+    device: Device = Device.AUTO
+    intra_op_threads: int = 0
+    cuda_device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, Device):
+            try:
+                object.__setattr__(self, "device", Device(self.device))
+            except ValueError:
+                raise ConfigError(
+                    f"device must be one of {[d.value for d in Device]}, got {self.device!r}"
+                ) from None
+        if not isinstance(self.intra_op_threads, int) or self.intra_op_threads < 0:
+            raise ConfigError(f"intra_op_threads must be an int >= 0, got {self.intra_op_threads!r}")
+
+
+def _ort():
+    import onnxruntime
+
+    return onnxruntime
+
+
+@lru_cache(maxsize=None)
+def _cuda_usable() -> tuple[bool, str]:
+    """Whether CUDA is really usable, and why (cached: probing is not free)."""
+    ort = _ort()
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False, "this onnxruntime build has no CUDA provider"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+    except Exception as exc:  # pynvml raises its own NVMLError family, or ImportError
+        return False, f"no NVIDIA driver/GPU visible ({type(exc).__name__})"
+    if count == 0:
+        return False, "NVML sees no GPU"
+    return True, f"{count} GPU(s) visible"
+
+
+def resolve_device(requested: Device) -> tuple[Device, str]:
+    if requested is Device.CPU:
+        return Device.CPU, "CPU requested"
+    ok, why = _cuda_usable()
+    if ok:
+        return Device.CUDA, why
+    if requested is Device.CUDA:
+        raise ConfigError(f"device=cuda requested but {why}; use device=auto or cpu")
+    return Device.CPU, why
+
+
+def _providers(device: Device, cfg: SessionConfig) -> list:
+    if device is Device.CUDA:
+        return [
+            ("CUDAExecutionProvider", {
+                "device_id": cfg.cuda_device_id,
+                "arena_extend_strategy": "kSameAsRequested",
+            }),
+            "CPUExecutionProvider",
+        ]
+    return ["CPUExecutionProvider"]
+
+
+_logged_choice: set[str] = set()
+
+
+def open_session(path: Path | str, cfg: SessionConfig = SessionConfig()):
+    """An `onnxruntime.InferenceSession` for a verified model file."""
+    ort = _ort()
+    device, why = resolve_device(cfg.device)
+    if why not in _logged_choice:
+        _logged_choice.add(why)
+        log.info("ONNX Runtime on %s: %s", device.value.upper(), why)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.intra_op_num_threads = cfg.intra_op_threads or (os.cpu_count() or 1)
+    opts.log_severity_level = 3  # errors only: no provider warnings spam on CPU machines
+    try:
+        sess = ort.InferenceSession(str(path), sess_options=opts,
+                                    providers=_providers(device, cfg))
+    except Exception as exc:  # ORT raises its own Fail/InvalidProtobuf/... types
+        raise ModelLoadError(
+            f"ONNX Runtime cannot open {path}: {str(exc).splitlines()[0][:200]}; "
+            f"re-run d2r-edge export for this profile"
+        ) from None
+    if device is Device.CUDA and "CUDAExecutionProvider" not in sess.get_providers():
+        log.info("CUDA provider did not load for %s; running on CPU", Path(path).name)
+    return sess

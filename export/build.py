@@ -1,0 +1,221 @@
+"""`d2r-edge export`: a profile's roles -> models/<profile>/ with a verified manifest.
+
+All sources are resolved before anything is exported (an unreachable hub id
+fails in seconds, not after an hour of exporting the other roles). The
+profile is written to a temporary directory and swapped in atomically: an
+interrupted export leaves the previous profile untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import time
+import tomllib
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from d2r_edge.errors import ConfigError, UnknownProfileError
+from d2r_edge.onnx.manifest import (
+    MANIFEST_FORMAT_VERSION, MANIFEST_NAME, Role, Variant, load_manifest, sha256_file,
+)
+from export import convert, parity
+from export.parity_data import load_parity_set
+from export.sources import ResolvedSource, resolve
+from export.specs import SPECS, RoleSpec, spec_for
+
+log = logging.getLogger(__name__)
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+PROFILES_FILE = MODELS_DIR / "profiles.toml"
+_GENERATION_KEYS = ("decoder_start_token_id", "bos_token_id", "eos_token_id", "pad_token_id",
+                    "forced_bos_token_id", "forced_eos_token_id", "min_length",
+                    "no_repeat_ngram_size", "num_beams", "max_length", "max_new_tokens")
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    profile: str
+    overrides: dict[str, str] = field(default_factory=dict)
+    models_dir: Path = MODELS_DIR
+    profiles_file: Path = PROFILES_FILE
+    variants: tuple[Variant, ...] = (Variant.FP32, Variant.INT8, Variant.FP16)
+    data_dir: Path | None = None
+    seed: int = 0
+    random_init: str | None = None     # build this real-size random config for the role it serves
+
+
+def load_profile(name: str, profiles_file: Path = PROFILES_FILE) -> dict[str, str]:
+    try:
+        table = tomllib.loads(profiles_file.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read profiles from {profiles_file}: {exc}") from None
+    if name not in table:
+        raise UnknownProfileError(
+            f"unknown profile {name!r}; profiles in {profiles_file.name}: {', '.join(table)}"
+        )
+    return {k: v for k, v in table[name].items() if k != "description"}
+
+
+def parse_role_overrides(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, source = item.partition("=")
+        if not sep or not source:
+            raise ConfigError(f"--role takes NAME=SOURCE, got {item!r}")
+        spec_for(name)  # unknown role -> UnknownRoleError
+        out[name] = source
+    return out
+
+
+def _tools() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu",
+                 "onnxruntime", "tokenizers"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _file_entry(path: Path, root: Path) -> tuple[str, dict]:
+    return str(path.relative_to(root)), {"sha256": sha256_file(path), "size_bytes": path.stat().st_size}
+
+
+def _max_length(checkpoint: Path, spec: RoleSpec, cfg: dict) -> int:
+    limits = [spec.default_max_length_tokens, int(cfg.get("max_position_embeddings") or 10**6)]
+    st = checkpoint / "sentence_bert_config.json"
+    if st.is_file():
+        limits.append(int(json.loads(st.read_text()).get("max_seq_length") or 10**6))
+    return min(limits)
+
+
+def _write_tokenizer(checkpoint: Path, out: Path, max_length: int) -> None:
+    """tokenizer.json without fixed padding, truncating at the role's max length."""
+    from tokenizers import Tokenizer
+
+    src = checkpoint / "tokenizer.json"
+    if not src.is_file():  # sentencepiece-only checkpoints: let transformers convert
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(checkpoint), use_fast=True).save_pretrained(str(out / ".tok"))
+        src = out / ".tok" / "tokenizer.json"
+    tok = Tokenizer.from_file(str(src))
+    tok.no_padding()
+    tok.enable_truncation(max_length)
+    tok.save(str(out / "tokenizer.json"))
+    shutil.rmtree(out / ".tok", ignore_errors=True)
+
+
+def _generation(checkpoint: Path, cfg: dict) -> dict:
+    gen = dict(cfg)
+    path = checkpoint / "generation_config.json"
+    if path.is_file():
+        gen.update(json.loads(path.read_text()))
+    out = {k: gen.get(k) for k in _GENERATION_KEYS if gen.get(k) is not None}
+    if isinstance(out.get("eos_token_id"), list):
+        out["eos_token_id"] = out["eos_token_id"][0]
+    return out
+
+
+def export_role(role: Role, src: ResolvedSource, root: Path, variants: tuple[Variant, ...]) -> dict:
+    """Export one role into root/<role>/ and return its manifest entry (parity added later)."""
+    spec = SPECS[role]
+    role_dir = root / role.value
+    cfg = json.loads((src.directory / "config.json").read_text())
+    variants = tuple(v for v in variants if v is not Variant.FP16 or spec.supports_fp16)
+    t0 = time.perf_counter()
+    fp32 = convert.to_onnx(src.directory, role_dir / Variant.FP32.value, spec.optimum_task)
+    names = sorted(p.name for p in fp32)
+    if names != sorted(spec.onnx_files):
+        raise ConfigError(f"role {role.value}: exporter wrote {names}, expected {spec.onnx_files}")
+    quant: dict = {}
+    if Variant.INT8 in variants:
+        preset = convert.cpu_preset()
+        (role_dir / "int8").mkdir()
+        counts = {p.name: convert.quantize_int8(p, role_dir / "int8" / p.name, preset) for p in fp32}
+        quant = {"preset": preset.name, "per_channel": True, "reduce_range": preset.reduce_range,
+                 "weight_type": "QInt8", "quantized_nodes": counts}
+    if Variant.FP16 in variants:
+        (role_dir / "fp16").mkdir()
+        for p in fp32:
+            convert.convert_fp16(p, role_dir / "fp16" / p.name)
+    max_len = _max_length(src.directory, spec, cfg)
+    _write_tokenizer(src.directory, role_dir, max_len)
+    variant_meta = {}
+    for v in variants:
+        files = dict(_file_entry(p, role_dir) for p in sorted((role_dir / v.value).iterdir()))
+        variant_meta[v.value] = {"files": files, **({"quantization": quant} if v is Variant.INT8 else {})}
+    id2label = cfg.get("id2label") if role in (Role.NLI, Role.RERANKER) else None
+    log.info("exported %s (%s) in %.1f s", role.value, src.spec, time.perf_counter() - t0)
+    return {
+        "role": role.value,
+        "directory": role.value,
+        "source": {"spec": src.spec, "kind": src.kind, "weights_sha256": src.weights_sha256()},
+        "architecture": cfg.get("model_type", "unknown"),
+        "task": spec.task,
+        "id2label": id2label,
+        "max_length_tokens": max_len,
+        "opset": convert.OPSET,
+        "weights": "random" if src.random_weights else "trained",
+        "files": dict([_file_entry(role_dir / "tokenizer.json", role_dir)]),
+        "variants": variant_meta,
+        "generation": _generation(src.directory, cfg) if role is Role.TRIPLES else {},
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run_export(req: ExportRequest) -> Path:
+    """Export every role of a profile; returns the manifest path."""
+    roles = load_profile(req.profile, req.profiles_file)
+    roles.update(req.overrides)
+    if req.random_init:
+        from export.tiny import RANDOM_MODELS
+
+        if req.random_init not in RANDOM_MODELS:
+            raise ConfigError(f"unknown --random-init {req.random_init!r}; known: "
+                              f"{', '.join(sorted(RANDOM_MODELS))}")
+        served = RANDOM_MODELS[req.random_init].role
+        roles = {served: f"random:{req.random_init}"}
+    cache = req.models_dir / ".cache"
+    # Resolve every source first: fail fast on an unreachable hub id or a bad directory.
+    resolved = {Role(spec_for(r).role): resolve(r, s, cache, req.seed) for r, s in roles.items()}
+    final = req.models_dir / req.profile
+    work = req.models_dir / f".{req.profile}.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    manifest = {"format_version": MANIFEST_FORMAT_VERSION, "profile": req.profile,
+                "created_unix_s": int(time.time()), "tools": _tools(), "roles": {}, "absent": {}}
+    for role, src in resolved.items():
+        manifest["roles"][role.value] = export_role(role, src, work, req.variants)
+    _write_json(work / MANIFEST_NAME, manifest)
+    # Parity through the runtime classes, against PyTorch; misses raise ParityError.
+    data = load_parity_set(req.data_dir)
+    loaded = load_manifest(work)
+    for role, src in resolved.items():
+        t0 = time.perf_counter()
+        variants = [Variant(v) for v in manifest["roles"][role.value]["variants"]]
+        if role is Role.TRIPLES:
+            figs = parity.seq2seq_parity(loaded, src.directory, data, variants)
+        else:
+            figs = parity.encoder_parity(loaded, role, SPECS[role], src.directory, data, variants)
+        manifest["roles"][role.value]["parity"] = figs
+        log.info("parity %s: %s (%.1f s)", role.value, json.dumps(figs), time.perf_counter() - t0)
+    _write_json(work / MANIFEST_NAME, manifest)
+    old = req.models_dir / f".{req.profile}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(work, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final / MANIFEST_NAME
