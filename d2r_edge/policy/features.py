@@ -1,0 +1,63 @@
+"""The context vector x of Appendix B.
+
+x = [projected query embedding, failure one-hot (5), KG status one-hot (5),
+e_q one-hot (3), e_r one-hot (3), remaining latency and memory budget as
+fractions in [0, 1] (2), bias (1)].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from d2r_edge.config import Budget, ContextConfig
+from d2r_edge.errors import PolicyError
+from d2r_edge.signals import Entailment, FailureType, KGStatus
+
+_FAILURES = list(FailureType)
+_KG = list(KGStatus)
+_ENT = list(Entailment)
+
+
+class ContextBuilder:
+    """Builds x; the random projection is seeded and fixed for the builder's life."""
+
+    def __init__(self, cfg: ContextConfig = ContextConfig()) -> None:
+        self.cfg = cfg
+        if cfg.query_dim is None:
+            self.projection = None
+        else:
+            rng = np.random.default_rng(cfg.projection_seed)
+            # Gaussian random projection (Johnson–Lindenstrauss): N(0, 1/k) entries
+            self.projection = rng.normal(0.0, 1.0 / np.sqrt(cfg.query_dim),
+                                         size=(cfg.embedding_dim, cfg.query_dim))
+
+    @property
+    def dim(self) -> int:
+        return self.cfg.dim
+
+    def build(self, query_embedding: np.ndarray, failure: FailureType, kg: KGStatus,
+              e_q: Entailment, e_r: Entailment, remaining_latency_s: float,
+              remaining_mem_mib: float, budget: Budget) -> np.ndarray:
+        q = np.asarray(query_embedding, dtype=np.float64)
+        if q.shape != (self.cfg.embedding_dim,) or not np.isfinite(q).all():
+            raise PolicyError(
+                f"query embedding must be a finite vector of length {self.cfg.embedding_dim}, "
+                f"got shape {q.shape}; set ContextConfig.embedding_dim to the embedder's size"
+            )
+        if self.projection is not None:
+            q = q @ self.projection
+        x = np.zeros(self.dim)
+        k = q.shape[0]
+        x[:k] = q
+        x[k + _FAILURES.index(FailureType(failure))] = 1.0
+        k += len(_FAILURES)
+        x[k + _KG.index(KGStatus(kg))] = 1.0
+        k += len(_KG)
+        x[k + _ENT.index(Entailment(e_q))] = 1.0
+        k += len(_ENT)
+        x[k + _ENT.index(Entailment(e_r))] = 1.0
+        k += len(_ENT)
+        x[k] = float(np.clip(remaining_latency_s / budget.latency_s, 0.0, 1.0))
+        x[k + 1] = float(np.clip(remaining_mem_mib / budget.device_mem_mib, 0.0, 1.0))
+        x[k + 2] = 1.0
+        return x

@@ -1,0 +1,80 @@
+"""Thompson Sampling as in the paper's baseline: Beta-Bernoulli per arm, context ignored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from d2r_edge.errors import PolicyError
+from d2r_edge.policy.state import check_allowed, check_arm, check_reward, load_npz, save_npz
+
+KIND = "thompson"
+
+
+class ThompsonSampling:
+    """Beta(1, 1) priors; a reward >= `threshold` (0.4) counts as a success."""
+
+    def __init__(self, n_arms: int, *, threshold: float = 0.4, seed: int = 0,
+                 arm_names: list[str] | None = None) -> None:
+        if not isinstance(n_arms, int) or n_arms < 1:
+            raise PolicyError(f"n_arms must be an int >= 1, got {n_arms!r}")
+        if not 0.0 <= threshold <= 1.0:
+            raise PolicyError(f"threshold must be in [0, 1], got {threshold!r}")
+        self.n_arms = n_arms
+        self.threshold = float(threshold)
+        self.seed = seed
+        self.arm_names = list(arm_names) if arm_names else [str(i) for i in range(n_arms)]
+        self.successes = np.ones(n_arms)
+        self.failures = np.ones(n_arms)
+        self.rng = np.random.default_rng(seed)
+
+    def scores(self, x=None, allowed=None) -> np.ndarray:
+        """One posterior draw per arm; -inf where not allowed. `x` is ignored."""
+        mask = check_allowed(allowed, self.n_arms)
+        draws = self.rng.beta(self.successes, self.failures)
+        return np.where(mask, draws, -np.inf)
+
+    def select(self, x=None, allowed=None) -> int:
+        return int(np.argmax(self.scores(x, allowed)))
+
+    def choice_probabilities(self, allowed=None, samples: int = 512) -> np.ndarray:
+        """Monte-Carlo P(arm is picked), for propensity logging (own RNG stream)."""
+        mask = check_allowed(allowed, self.n_arms)
+        rng = np.random.default_rng([self.seed, int(self.successes.sum() + self.failures.sum())])
+        draws = rng.beta(self.successes, self.failures, size=(samples, self.n_arms))
+        draws[:, ~mask] = -np.inf
+        return np.bincount(draws.argmax(axis=1), minlength=self.n_arms) / samples
+
+    def update(self, arm: int, x=None, reward: float = 0.0) -> None:
+        arm = check_arm(arm, self.n_arms)
+        if check_reward(reward) >= self.threshold:
+            self.successes[arm] += 1
+        else:
+            self.failures[arm] += 1
+
+    def save(self, path: Path | str) -> None:
+        save_npz(path, KIND, {
+            "n_arms": np.int64(self.n_arms), "threshold": np.float64(self.threshold),
+            "seed": np.int64(self.seed), "arm_names": np.array(self.arm_names, dtype=str),
+            "successes": self.successes, "failures": self.failures,
+            # the generator's state, so a resumed run draws what an uninterrupted one would
+            "rng_state": np.array(repr(self.rng.bit_generator.state["state"]["state"])),
+            "rng_inc": np.array(repr(self.rng.bit_generator.state["state"]["inc"])),
+        })
+
+    @classmethod
+    def load(cls, path: Path | str, *, arm_names: list[str] | None = None) -> "ThompsonSampling":
+        z = load_npz(path, KIND, expect_arms=arm_names)
+        ts = cls(int(z["n_arms"]), threshold=float(z["threshold"]), seed=int(z["seed"]),
+                 arm_names=[str(a) for a in z["arm_names"]])
+        if z["successes"].shape != (ts.n_arms,) or z["failures"].shape != (ts.n_arms,):
+            from d2r_edge.errors import PolicyFileError
+
+            raise PolicyFileError(f"{path}: counts do not match {ts.n_arms} arms")
+        ts.successes[:] = z["successes"]
+        ts.failures[:] = z["failures"]
+        state = ts.rng.bit_generator.state
+        state["state"] = {"state": int(str(z["rng_state"])), "inc": int(str(z["rng_inc"]))}
+        ts.rng.bit_generator.state = state
+        return ts
