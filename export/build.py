@@ -34,7 +34,8 @@ MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 PROFILES_FILE = MODELS_DIR / "profiles.toml"
 _GENERATION_KEYS = ("decoder_start_token_id", "bos_token_id", "eos_token_id", "pad_token_id",
                     "forced_bos_token_id", "forced_eos_token_id", "min_length",
-                    "no_repeat_ngram_size", "num_beams", "max_length", "max_new_tokens")
+                    "no_repeat_ngram_size", "num_beams", "max_length", "max_new_tokens",
+                    "length_penalty", "early_stopping")
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,24 @@ def encoder_parity(manifest: Manifest, role: Role, spec: RoleSpec, checkpoint: P
     return figures
 
 
+def _beam_parity(model, ort_model: Seq2SeqModel, texts: list[str], max_new_tokens: int) -> bool:
+    """ORT beam search (3 beams) must give generate(num_beams=3)'s ids, row by row."""
+    import torch
+
+    for text in texts:
+        ids, mask = ort_model.encode([text])
+        got = ort_model.beam_search([text], num_beams=3, max_new_tokens=max_new_tokens)
+        with torch.no_grad():
+            want = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                                  num_beams=3, do_sample=False, max_new_tokens=max_new_tokens).numpy()
+        if want.shape != got.shape or not np.array_equal(want, got):
+            raise ParityError(
+                f"role triples: fp32 beam search (3 beams) differs from transformers.generate "
+                f"({got.tolist()} vs {want.tolist()})"
+            )
+    return True
+
+
 def seq2seq_parity(manifest: Manifest, checkpoint: Path, data: ParitySet,
                    variants: list[Variant], max_new_tokens: int = 24) -> dict:
     """fp32 greedy ids must equal transformers.generate(num_beams=1) exactly."""
@@ -142,6 +160,8 @@ def seq2seq_parity(manifest: Manifest, checkpoint: Path, data: ParitySet,
                     )
                 if case == "padded_batch":
                     ref_ids = got
+                    fig["beam3_ids_equal_generate"] = _beam_parity(model, ort_model, batch,
+                                                                   max_new_tokens)
             elif case == "padded_batch" and ref_ids is not None:
                 n = min(got.shape[1], ref_ids.shape[1])
                 fig["token_agreement_vs_fp32"] = float(np.mean(got[:, :n] == ref_ids[:, :n]))

@@ -48,6 +48,8 @@ class GenerationSettings:
     forced_eos_token_id: int | None = None
     min_length: int = 0
     no_repeat_ngram_size: int = 0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -180,9 +182,108 @@ class Seq2SeqModel:
                 break
         return seqs
 
+    def beam_search(self, texts: Sequence[str], num_beams: int | None = None,
+                    max_new_tokens: int | None = None) -> np.ndarray:
+        """Beam search with the cache, following transformers' vectorized `_beam_search`.
+
+        Same candidate pool (2 * num_beams), length normalization, early-stop
+        heuristic and stopping rules, so ids match `generate(num_beams=k)`.
+        """
+        cfg = self.settings
+        k = num_beams or cfg.num_beams
+        if k == 1:
+            return self.greedy(texts, max_new_tokens)
+        max_length = 1 + (max_new_tokens or cfg.max_new_tokens)
+        ids, mask = self.encode(texts)
+        enc = self._encoder_states(ids, mask)
+        bsz = ids.shape[0]
+        enc, mask = np.repeat(enc, k, axis=0), np.repeat(mask, k, axis=0)
+        neg = np.float32(-1e9)
+        fill = cfg.pad_token_id or cfg.eos_token_id  # transformers' `pad or eos` fill value
+        keep = 2 * k
+        running = np.full((bsz, k, max_length), fill, dtype=np.int64)
+        running[:, :, 0] = cfg.decoder_start_token_id
+        finished_seqs = running.copy()
+        run_scores = np.zeros((bsz, k), dtype=np.float32)
+        run_scores[:, 1:] = neg
+        fin_scores = np.full((bsz, k), neg, dtype=np.float32)
+        fin_done = np.zeros((bsz, k), dtype=bool)
+        fin_len = np.zeros((bsz, k), dtype=np.int64)        # generated length of finished beams
+        improvable = np.ones((bsz, 1), dtype=bool)
+        top_mask = np.arange(keep) < k
+        past, cur = None, 1
+        while True:
+            flat = running[:, :, :cur].reshape(bsz * k, cur)
+            logits, past = self.step(flat[:, -1:], enc, mask, past)
+            logp = _log_softmax(logits)
+            logp = process_logits(logp, flat, cfg, max_length)
+            vocab = logp.shape[1]
+            acc = (logp.reshape(bsz, k, vocab) + run_scores[:, :, None]).reshape(bsz, k * vocab)
+            top_idx = _topk_indices(acc, keep)
+            top_lp = np.take_along_axis(acc, top_idx, axis=1)
+            src_beam, tok = top_idx // vocab, top_idx % vocab
+            top_seqs = np.take_along_axis(running, src_beam[:, :, None], axis=1).copy()
+            top_seqs[:, :, cur] = tok
+            hits = (tok == cfg.eos_token_id) | (cur + 1 >= max_length)
+            # next running beams: best `k` continuations that did not stop
+            run_lp = top_lp + hits.astype(np.float32) * neg
+            nxt = _topk_indices(run_lp, k)
+            running = np.take_along_axis(top_seqs, nxt[:, :, None], axis=1)
+            run_scores = np.take_along_axis(run_lp, nxt, axis=1)
+            beam_src = np.take_along_axis(src_beam, nxt, axis=1)
+            # finished beams: merge the stopped top-k continuations
+            just = hits & top_mask[None, :]
+            norm = top_lp / np.float32((cur + 1 - 1) ** cfg.length_penalty)
+            full = fin_done.all(axis=1, keepdims=True) & (cfg.early_stopping is True)
+            norm = norm + full * neg + (~improvable) * neg + (~just) * neg
+            m_seqs = np.concatenate([finished_seqs, top_seqs], axis=1)
+            m_scores = np.concatenate([fin_scores, norm.astype(np.float32)], axis=1)
+            m_done = np.concatenate([fin_done, just], axis=1)
+            m_len = np.concatenate([fin_len, np.full((bsz, keep), cur, dtype=np.int64)], axis=1)
+            best = _topk_indices(m_scores, k)
+            finished_seqs = np.take_along_axis(m_seqs, best[:, :, None], axis=1)
+            fin_scores = np.take_along_axis(m_scores, best, axis=1)
+            fin_done = np.take_along_axis(m_done, best, axis=1)
+            fin_len = np.take_along_axis(m_len, best, axis=1)
+            # reorder the self-attention cache to follow the surviving beams
+            order = (beam_src + np.arange(bsz)[:, None] * k).reshape(-1)
+            past = {n: (v if ".encoder." in n else v[order]) for n, v in past.items()}
+            cur += 1
+            # early-stop heuristic (early_stopping=False / "never" / True)
+            if cfg.early_stopping == "never" and cfg.length_penalty > 0:
+                hyp_len = max_length - 1
+            else:
+                hyp_len = cur - 1
+            best_running = run_scores[:, :1] / np.float32(hyp_len ** cfg.length_penalty)
+            worst_fin = np.where(fin_done, fin_scores.min(axis=1, keepdims=True), neg)
+            improvable = improvable & (best_running > worst_fin).any(axis=1, keepdims=True)
+            open_beams = not (fin_done.all() and cfg.early_stopping is True)
+            if not (improvable.any() and open_beams and not hits.all()):
+                break
+        out_len = 1 + int(fin_len[:, 0].max())
+        return finished_seqs[:, 0, :out_len]
+
+    def warmup(self) -> None:
+        """One short decode so the first real call pays no allocation costs."""
+        self.greedy(["warm up"], max_new_tokens=2)
+
     def decode(self, ids: np.ndarray) -> list[str]:
         return [self.tokenizer.decode([int(t) for t in row], skip_special_tokens=False)
                 for row in ids]
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    return (shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))).astype(np.float32)
+
+
+def _topk_indices(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest per row, largest first (ties: lowest index first)."""
+    part = np.argpartition(-scores, k - 1, axis=1)[:, :k] if k < scores.shape[1] else \
+        np.tile(np.arange(scores.shape[1]), (scores.shape[0], 1))
+    vals = np.take_along_axis(scores, part, axis=1)
+    order = np.lexsort((part, -vals), axis=1)
+    return np.take_along_axis(part, order, axis=1)
 
 
 _MARKERS = re.compile(r"(<triplet>|<subj>|<obj>)")
@@ -230,5 +331,5 @@ class Triples:
         texts = list(texts)
         if not texts:
             return []
-        ids = self.model.greedy(texts, max_new_tokens)
+        ids = self.model.beam_search(texts, max_new_tokens=max_new_tokens)
         return [parse_triples(t) for t in self.model.decode(ids)]
