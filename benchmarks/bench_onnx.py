@@ -1,0 +1,198 @@
+"""ONNX layer cost: batched NLI vs the reference loop, ORT int8 vs PyTorch, REBEL decoding.
+
+Default group: the tiny profile, as a smoke run of the same code (its
+tokenizer, trained on a tiny corpus, cuts real text into ~3x more pieces, so
+its ratios mean little). Slow group (`-m slow`): random-weight deberta-v3-base
+and bart-large with a real English vocabulary, exported by the export step
+(cost does not depend on the weights); the targets are asserted there. Peak
+RSS growth of one call of each is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.conftest import EXTRA, RESULTS, ratio_or_skip
+from d2r_edge.budget import MemoryProbe, Meter
+from d2r_edge.onnx.encoders import NLI
+from d2r_edge.onnx.manifest import Variant, load_manifest
+from d2r_edge.onnx.seq2seq import Seq2SeqModel
+from d2r_edge.onnx.session import Device, SessionConfig
+
+torch = pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data"
+CACHE = ROOT / "models" / ".bench-cache"
+CPU = SessionConfig(device=Device.CPU)
+
+
+def diagnosis_pairs() -> list[tuple[str, str]]:
+    """One query's diagnosis: 10 passages vs the query and vs the response (2k, k = 10)."""
+    row = json.loads((DATA / "hotpotqa" / "dev.jsonl").open().readline())
+    passages = ["".join(sents) for _, sents in row["context"]][:10]
+    response = f"The answer is {row['answer']}."
+    return [(p, row["question"]) for p in passages] + [(p, response) for p in passages]
+
+
+def _export(profile: str, random_init: str | None = None) -> Path:
+    from export.build import ExportRequest, run_export
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("optimum").setLevel(logging.ERROR)
+    out = CACHE / (random_init or profile)
+    if (out / profile / "manifest.json").is_file():
+        return out / profile
+    return run_export(ExportRequest(profile, models_dir=out, profiles_file=ROOT / "models" / "profiles.toml",
+                                    variants=(Variant.FP32, Variant.INT8), random_init=random_init,
+                                    data_dir=DATA if DATA.is_dir() else None)).parent
+
+
+def peak_rss_mib(kind: str, models_dir: Path, how: str) -> float:
+    """Peak RSS of a fresh process that loads one approach and runs it once."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks.rss", kind, str(models_dir), how],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _torch_checkpoint(models_dir: Path, role: str) -> Path:
+    raw = json.loads((models_dir / "manifest.json").read_text())["roles"][role]["source"]["spec"]
+    name = raw.removeprefix("random:")
+    return next((models_dir.parent / ".cache" / "random").glob(f"{name}-seed*"))
+
+
+class TorchNLI:
+    """The reference path: transformers fp32, one pair per call (or batched)."""
+
+    def __init__(self, checkpoint: Path, ort: NLI) -> None:
+        from transformers import AutoModelForSequenceClassification
+
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(checkpoint)).eval()
+        self.ort = ort  # same tokenizer.json, so both see identical ids
+
+    def _forward(self, pairs):
+        feeds = self.ort._feeds(self.ort._encode(pairs=pairs))
+        with torch.no_grad():
+            return self.model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).logits.numpy()
+
+    def one_by_one(self, pairs):
+        return np.stack([self._forward([p])[0] for p in pairs])
+
+    def batched(self, pairs):
+        return self._forward(pairs)
+
+
+def make_nli_fn(models_dir: Path, how: str):
+    int8 = NLI(load_manifest(models_dir), variant=Variant.INT8, session=CPU, allow_random_weights=True)
+    int8.warmup()
+    if how == "ort-int8-batched":
+        return int8.logits
+    if how == "ort-int8-one-by-one":
+        return lambda p: np.stack([int8.logits([x])[0] for x in p])
+    ref = TorchNLI(_torch_checkpoint(models_dir, "nli"), int8)
+    return ref.one_by_one if how == "torch-fp32-one-by-one" else ref.batched
+
+
+def _nli_suite(benchmark, record, models_dir: Path, key: str, how: str):
+    pairs = diagnosis_pairs()
+    fn = make_nli_fn(models_dir, how)
+    fn(pairs[:2])
+    rounds = 3 if key == "base" else 10
+    benchmark.pedantic(fn, args=(pairs,), rounds=rounds, iterations=1, warmup_rounds=1)
+    record(f"nli-{key}-{how}", **{f"peak-rss-mib-nli-{key}-{how}": peak_rss_mib("nli", models_dir, how)})
+
+
+NLI_HOWS = ["ort-int8-batched", "ort-int8-one-by-one", "torch-fp32-one-by-one", "torch-fp32-batched"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir():
+    if not DATA.is_dir():
+        pytest.skip("needs ../shared/data")
+    return _export("tiny")
+
+
+@pytest.mark.benchmark(group="nli-diagnosis-tiny")
+@pytest.mark.parametrize("how", NLI_HOWS)
+def test_nli_diagnosis_tiny(benchmark, record, tiny_dir, how):
+    _nli_suite(benchmark, record, tiny_dir, "tiny", how)
+
+
+@pytest.mark.slow
+@pytest.mark.benchmark(group="nli-diagnosis-deberta-v3-base")
+@pytest.mark.parametrize("how", NLI_HOWS)
+def test_nli_diagnosis_base(benchmark, record, how):
+    if not DATA.is_dir():
+        pytest.skip("needs ../shared/data")
+    _nli_suite(benchmark, record, _export("base", "deberta-v3-base"), "base", how)
+
+
+def rebel_texts() -> list[str]:
+    rows = (" ".join(json.loads(line).get("pars") or []) for line in (DATA / "fever" / "dev.jsonl").open())
+    return [t for t in rows if 300 < len(t) < 600][:4]   # about 100 tokens each, as in ANCHORS
+
+
+def make_rebel_fn(models_dir: Path, how: str, max_new: int):
+    from transformers import AutoModelForSeq2SeqLM
+
+    variant = Variant.INT8 if how == "ort-int8-greedy" else Variant.FP32
+    ort = Seq2SeqModel(load_manifest(models_dir), variant=variant, session=CPU, allow_random_weights=True)
+    if how.startswith("ort"):
+        return lambda t: ort.greedy(t, max_new)
+    model = AutoModelForSeq2SeqLM.from_pretrained(str(_torch_checkpoint(models_dir, "triples"))).eval()
+
+    def generate(t):
+        ids, mask = ort.encode(t)
+        with torch.no_grad():
+            return model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                                  num_beams=1, do_sample=False, max_new_tokens=max_new)
+
+    return generate
+
+
+def _rebel_suite(benchmark, record, models_dir: Path, key: str, how: str, max_new: int):
+    texts = rebel_texts()
+    fn = make_rebel_fn(models_dir, how, max_new)
+    fn(texts)
+    benchmark.pedantic(fn, args=(texts,), rounds=3, iterations=1)
+    record(f"rebel-{key}-{how}", **{f"peak-rss-mib-rebel-{key}-{how}": peak_rss_mib("rebel", models_dir, how)})
+
+
+REBEL_HOWS = ["ort-fp32-greedy", "ort-int8-greedy", "torch-fp32-generate"]
+
+
+@pytest.mark.benchmark(group="rebel-tiny")
+@pytest.mark.parametrize("how", REBEL_HOWS)
+def test_rebel_tiny(benchmark, record, tiny_dir, how):
+    _rebel_suite(benchmark, record, tiny_dir, "tiny", how, 24)
+
+
+@pytest.mark.slow
+@pytest.mark.benchmark(group="rebel-bart-large")
+@pytest.mark.parametrize("how", REBEL_HOWS)
+def test_rebel_large(benchmark, record, how):
+    if not DATA.is_dir():
+        pytest.skip("needs ../shared/data")
+    _rebel_suite(benchmark, record, _export("large", "bart-large"), "large", how, 64)
+
+
+@pytest.mark.slow
+def test_onnx_targets_real_size():
+    r = ratio_or_skip("nli-base-torch-fp32-one-by-one", "nli-base-ort-int8-batched")
+    assert r >= 3.0, f"deberta-v3-base batched int8 diagnosis only {r:.2f}x the reference loop"
+    # against PyTorch fp32 at its best (one pair per call beats batching on this CPU)
+    torch_best = min(RESULTS["nli-base-torch-fp32-batched"], RESULTS["nli-base-torch-fp32-one-by-one"])
+    q = torch_best / RESULTS["nli-base-ort-int8-batched"]
+    assert q >= 2.5, f"deberta-v3-base ORT int8 only {q:.2f}x PyTorch fp32"
+    g = ratio_or_skip("rebel-large-torch-fp32-generate", "rebel-large-ort-int8-greedy")
+    assert g >= 2.0, f"bart-large ORT greedy only {g:.2f}x generate"

@@ -1,0 +1,50 @@
+"""Provider choice: CPU without a GPU, one log line, typed error when CUDA is demanded."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from d2r_edge.errors import ConfigError
+from d2r_edge.onnx import session as sess
+from d2r_edge.onnx.session import Device, SessionConfig, resolve_device
+
+
+def test_cpu_when_no_gpu(monkeypatch):
+    monkeypatch.setattr(sess, "_cuda_usable", lambda: (False, "no NVIDIA driver/GPU visible"))
+    assert resolve_device(Device.AUTO) == (Device.CPU, "no NVIDIA driver/GPU visible")
+    assert resolve_device(Device.CPU)[0] is Device.CPU
+    with pytest.raises(ConfigError, match="device=auto or cpu"):
+        resolve_device(Device.CUDA)
+
+
+def test_cuda_when_usable(monkeypatch):
+    monkeypatch.setattr(sess, "_cuda_usable", lambda: (True, "1 GPU(s) visible"))
+    assert resolve_device(Device.AUTO)[0] is Device.CUDA
+    providers = sess._providers(Device.CUDA, SessionConfig())
+    name, opts = providers[0]
+    assert name == "CUDAExecutionProvider"
+    assert opts["arena_extend_strategy"] == "kSameAsRequested"
+    assert providers[-1] == "CPUExecutionProvider"
+
+
+def test_this_machine_choice_is_logged_once(tiny_models, caplog):
+    from d2r_edge.onnx.encoders import Embedder
+    from d2r_edge.onnx.manifest import load_manifest
+
+    sess._logged_choice.clear()
+    with caplog.at_level(logging.INFO, logger="d2r_edge.onnx.session"):
+        Embedder(load_manifest(tiny_models))
+        Embedder(load_manifest(tiny_models))
+    lines = [r for r in caplog.records if "ONNX Runtime on" in r.getMessage()]
+    assert len(lines) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_bad_session_config():
+    with pytest.raises(ConfigError):
+        SessionConfig(device="tpu")
+    with pytest.raises(ConfigError):
+        SessionConfig(intra_op_threads=-1)
+    assert SessionConfig(device="cpu").device is Device.CPU
