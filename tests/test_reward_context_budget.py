@@ -92,12 +92,24 @@ def test_context_full_embedding_and_bad_input():
                       Entailment.NEUTRAL, Entailment.NEUTRAL, 1, 1, B)
 
 
+def _fresh_pages(n_bytes: int):
+    """Anonymous memory straight from the kernel, every page touched.
+
+    (numpy/malloc may reuse heap pages freed by an earlier test, which are
+    already resident and so do not grow RSS: true, but not what we test.)"""
+    import mmap
+
+    block = mmap.mmap(-1, n_bytes)
+    for off in range(0, n_bytes, mmap.PAGESIZE):
+        block[off] = 1
+    return block
+
+
 def test_host_meter_sees_a_64_mib_allocation():
     meter = Meter(MemoryProbe(prefer_device=False))
     with meter.measure() as m:
-        block = np.ones(64 * 1024 * 1024 // 8)
-        block[::512] += 1
-    del block
+        block = _fresh_pages(64 * 1024 * 1024)
+    block.close()
     r = m.result
     assert r.memory_kind is MemoryKind.HOST and r.memory_source is MemorySource.HOST_RSS
     assert abs(r.mem_growth_mib - 64.0) <= 4.0
@@ -106,12 +118,12 @@ def test_host_meter_sees_a_64_mib_allocation():
 
 def test_meter_catches_a_short_peak():
     meter = Meter(MemoryProbe(prefer_device=False))
-    with meter.measure() as m:
-        block = np.ones(32 * 1024 * 1024 // 8)
-        import time
+    import time
 
+    with meter.measure() as m:
+        block = _fresh_pages(32 * 1024 * 1024)
         time.sleep(0.02)
-        del block
+        block.close()    # gone before exit: only the sampler can have seen it
         time.sleep(0.02)
     assert m.result.mem_growth_mib >= 28
 

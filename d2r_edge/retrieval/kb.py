@@ -1,0 +1,317 @@
+"""A self-describing knowledge-base directory: chunks, embeddings, HNSW, BM25, manifest.
+
+Every write goes to a sibling temporary directory that is swapped in at the
+end, so a crash leaves the old KB (or, for a build, a resumable partial
+build whose finished embedding shards are reused), never a corrupt one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from d2r_edge.errors import D2RError, InputError
+from d2r_edge.retrieval.bm25 import BM25Config, BM25Index
+from d2r_edge.retrieval.chunker import ChunkConfig, Chunker
+from d2r_edge.retrieval.dense import DenseIndex, HNSWConfig
+from d2r_edge.retrieval.docs import Document, read_documents
+
+log = logging.getLogger(__name__)
+
+KB_FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class KBError(D2RError):
+    exit_code = 10
+
+
+class KBModelMismatchError(KBError):
+    """The KB was embedded with other model files than the ones loaded."""
+
+
+@dataclass(frozen=True)
+class KBConfig:
+    chunk: ChunkConfig = field(default_factory=ChunkConfig)
+    hnsw: HNSWConfig = field(default_factory=HNSWConfig)
+    bm25: BM25Config = field(default_factory=BM25Config)
+    shard_chunks: int = 1024   # embedding checkpoint granularity of a resumable build
+
+
+def embedder_fingerprint(embedder) -> dict:
+    """What identifies the embedding space: model and tokenizer bytes, variant, dim."""
+    entry = embedder.entry
+    files = entry.variants[embedder.variant]
+    return {"variant": embedder.variant.value, "dim": embedder.dim,
+            "model_sha256": sorted(f.sha256 for f in files.values()),
+            "tokenizer_sha256": entry.files["tokenizer.json"].sha256,
+            "source": entry.raw.get("source", {}).get("spec", "")}
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_jsonl(path: Path, rows, mode: str = "w") -> None:
+    with open(path, mode, encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Replace `final` by `tmp` with renames only; `final.old` bridges a crash."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _recover(final: Path) -> None:
+    old = final.with_name(final.name + ".old")
+    if not final.exists() and old.exists():
+        log.warning("recovering %s from an interrupted swap", final)
+        os.replace(old, final)
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="chunk", disable=None, leave=False)
+
+
+def _embed_rows(embedder, chunks: list[dict]) -> np.ndarray:
+    return embedder.encode([c["embed_text"] for c in chunks])
+
+
+def _chunk_docs(docs: list[Document], chunker: Chunker, first_chunk_id: int) -> list[dict]:
+    chunks = chunker.chunk_many([(d.id, d.text) for d in docs])
+    titles = {d.id: d.title for d in docs}
+    rows = []
+    for i, c in enumerate(chunks):
+        title = titles[c.doc_id]
+        rows.append({"chunk_id": first_chunk_id + i, "doc_id": c.doc_id, "index": c.index,
+                     "title": title, "text": c.text, "start_char": c.start_char,
+                     "end_char": c.end_char,
+                     "embed_text": f"{title}\n{c.text}" if title else c.text})
+    return rows
+
+
+class KnowledgeBase:
+    def __init__(self, directory: Path, manifest: dict, chunks: list[dict], dense: DenseIndex,
+                 bm25: BM25Index, cfg: KBConfig) -> None:
+        self.directory, self.manifest, self.chunks = directory, manifest, chunks
+        self.dense, self.bm25, self.cfg = dense, bm25, cfg
+        self.doc_ids = {c["doc_id"] for c in chunks}
+
+    @property
+    def version(self) -> int:
+        return int(self.manifest["kb_version"])
+
+    # --- opening ---------------------------------------------------------------
+    @classmethod
+    def open(cls, directory: Path | str, embedder=None, cfg: KBConfig = KBConfig()) -> "KnowledgeBase":
+        directory = Path(directory)
+        _recover(directory)
+        path = directory / MANIFEST
+        if not path.is_file():
+            raise KBError(f"no KB at {directory}; build one with d2r-edge index build")
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise KBError(f"{path} is not valid JSON ({exc}); rebuild the KB") from None
+        if manifest.get("format_version") != KB_FORMAT_VERSION:
+            raise KBError(f"{directory}: KB format {manifest.get('format_version')} is not "
+                          f"{KB_FORMAT_VERSION}; rebuild it with this d2r-edge")
+        if embedder is not None:
+            want, got = manifest["embedder"], embedder_fingerprint(embedder)
+            if want != got:
+                raise KBModelMismatchError(
+                    f"{directory} was embedded with {want['source']} ({want['variant']}, model "
+                    f"{want['model_sha256'][0][:12]}...) but the loaded embedder is {got['source']} "
+                    f"({got['variant']}, {got['model_sha256'][0][:12]}...); load the same models "
+                    f"(--models, variant) or rebuild the KB with these"
+                )
+        with open(directory / "chunks.jsonl", encoding="utf-8") as fh:
+            chunks = [json.loads(line) for line in fh]
+        dense = DenseIndex.load(directory, manifest["embedder"]["dim"], cfg.hnsw, manifest["hnsw"]["ef"])
+        bm25 = BM25Index.load(directory / "bm25.npz")
+        if not (len(chunks) == dense.n == bm25.n_docs == manifest["n_chunks"]):
+            raise KBError(f"{directory}: chunk counts disagree (chunks {len(chunks)}, vectors "
+                          f"{dense.n}, bm25 {bm25.n_docs}); rebuild the KB")
+        return cls(directory, manifest, chunks, dense, bm25, cfg)
+
+    # --- building ----------------------------------------------------------------
+    @classmethod
+    def build(cls, docs_path: Path | str, directory: Path | str, embedder,
+              cfg: KBConfig = KBConfig()) -> "KnowledgeBase":
+        """Ingest a JSONL file into a new KB; resumes an interrupted build of the same input."""
+        docs_path, directory = Path(docs_path), Path(directory)
+        report = read_documents(docs_path)
+        fingerprint = embedder_fingerprint(embedder)
+        plan = {"input_sha256": hashlib.sha256(docs_path.read_bytes()).hexdigest(),
+                "chunk": asdict(cfg.chunk), "embedder": fingerprint, "shard_chunks": cfg.shard_chunks}
+        work = directory.with_name(directory.name + ".partial")
+        if work.exists():
+            try:
+                same = json.loads((work / "plan.json").read_text()) == plan
+            except (OSError, json.JSONDecodeError):
+                same = False
+            if not same:
+                log.info("discarding a partial build of other input/settings in %s", work)
+                shutil.rmtree(work)
+        (work / "shards").mkdir(parents=True, exist_ok=True)
+        _write_json(work / "plan.json", plan)
+        chunks_path = work / "chunks.jsonl"
+        if chunks_path.is_file():
+            with open(chunks_path, encoding="utf-8") as fh:
+                chunks = [json.loads(line) for line in fh]
+            log.info("resuming the build in %s", work)
+        else:
+            chunker = Chunker(embedder.tokenizer, cfg.chunk)
+            chunks = _chunk_docs(report.documents, chunker, 0)
+            tmp = chunks_path.with_name("chunks.jsonl.tmp")
+            _write_jsonl(tmp, chunks)
+            os.replace(tmp, chunks_path)
+        vectors = cls._embed_resumable(embedder, chunks, work / "shards", cfg.shard_chunks)
+        kb = cls._assemble(work, chunks, vectors, report.documents, fingerprint, cfg, version=1,
+                           created=time.time())
+        for name in ("plan.json",):
+            (work / name).unlink()
+        shutil.rmtree(work / "shards")
+        _swap_in(work, directory)
+        kb.directory = directory
+        return kb
+
+    @staticmethod
+    def _embed_resumable(embedder, chunks: list[dict], shards: Path, shard_size: int) -> np.ndarray:
+        parts = []
+        with _progress(len(chunks), "embedding") as bar:
+            for i, start in enumerate(range(0, len(chunks), shard_size)):
+                path = shards / f"emb-{i:06d}.npy"
+                if path.is_file():
+                    part = np.load(path, allow_pickle=False)
+                else:
+                    part = _embed_rows(embedder, chunks[start:start + shard_size])
+                    tmp = path.with_name(path.name + ".tmp.npy")
+                    np.save(tmp, part)
+                    os.replace(tmp, path)
+                parts.append(part)
+                bar.update(len(part))
+        return np.concatenate(parts) if parts else np.zeros((0, embedder.dim), np.float32)
+
+    @classmethod
+    def _assemble(cls, work: Path, chunks: list[dict], vectors: np.ndarray, docs: list[Document],
+                  fingerprint: dict, cfg: KBConfig, version: int, created: float) -> "KnowledgeBase":
+        dense = DenseIndex(vectors.shape[1], cfg.hnsw)
+        dense.add(vectors)
+        bm25 = BM25Index(cfg.bm25)
+        bm25.add([c["embed_text"] for c in chunks])
+        dense.save(work)
+        bm25.save(work / "bm25.npz")
+        _write_jsonl(work / "docs.jsonl", ({"id": d.id, "title": d.title, **d.metadata} for d in docs))
+        manifest = cls._manifest(chunks, fingerprint, cfg, dense, version, created,
+                                 n_docs=len({c["doc_id"] for c in chunks}))
+        _write_json(work / MANIFEST, manifest)
+        return cls(work, manifest, chunks, dense, bm25, cfg)
+
+    @staticmethod
+    def _manifest(chunks, fingerprint, cfg, dense: DenseIndex, version, created, n_docs) -> dict:
+        return {"format_version": KB_FORMAT_VERSION, "kb_version": version, "n_docs": n_docs,
+                "n_chunks": len(chunks), "chunking": asdict(cfg.chunk), "embedder": fingerprint,
+                "hnsw": {**asdict(cfg.hnsw), "ef": dense.ef, "built": dense.index is not None},
+                "bm25": asdict(cfg.bm25), "created_unix_s": int(created),
+                "updated_unix_s": int(time.time())}
+
+    # --- incremental -------------------------------------------------------------
+    def queue(self, docs_path: Path | str) -> int:
+        """Queue documents for the next refresh (validated now, ingested later)."""
+        queued = self._queued_ids()
+        report = read_documents(Path(docs_path), known_ids=self.doc_ids | queued)
+        _write_jsonl(self.directory / "queue.jsonl",
+                     ({"id": d.id, "title": d.title, "text": d.text, **d.metadata}
+                      for d in report.documents), mode="a")
+        return len(report.documents)
+
+    def _queued_ids(self) -> set[str]:
+        path = self.directory / "queue.jsonl"
+        if not path.is_file():
+            return set()
+        with open(path, encoding="utf-8") as fh:
+            return {str(json.loads(line)["id"]) for line in fh if line.strip()}
+
+    def refresh(self, embedder, extra: list[Document] | None = None) -> int:
+        """Ingest the queue (and `extra` documents) incrementally; bumps the version.
+
+        Returns the number of documents added. HNSW grows with add_items after
+        a resize, BM25 appends postings; nothing is re-embedded.
+        """
+        queue_path = self.directory / "queue.jsonl"
+        docs = list(extra or [])
+        if queue_path.is_file():
+            docs += read_documents(queue_path, known_ids=self.doc_ids).documents
+        docs = [d for d in docs if d.id not in self.doc_ids]
+        if not docs:
+            return 0
+        if embedder_fingerprint(embedder) != self.manifest["embedder"]:
+            raise KBModelMismatchError(f"{self.directory}: refresh with another embedder; rebuild instead")
+        chunker = Chunker(embedder.tokenizer, self.cfg.chunk)
+        new_chunks = _chunk_docs(docs, chunker, len(self.chunks))
+        vectors = _embed_rows(embedder, new_chunks)
+        work = self.directory.with_name(self.directory.name + ".refresh")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        shutil.copyfile(self.directory / "chunks.jsonl", work / "chunks.jsonl")
+        _write_jsonl(work / "chunks.jsonl", new_chunks, mode="a")
+        shutil.copyfile(self.directory / "docs.jsonl", work / "docs.jsonl")
+        _write_jsonl(work / "docs.jsonl", ({"id": d.id, "title": d.title, **d.metadata} for d in docs),
+                     mode="a")
+        self.dense.add(vectors)
+        self.bm25.add([c["embed_text"] for c in new_chunks])
+        self.dense.save(work)
+        self.bm25.save(work / "bm25.npz")
+        self.chunks += new_chunks
+        self.doc_ids |= {d.id for d in docs}
+        self.manifest = self._manifest(self.chunks, self.manifest["embedder"], self.cfg, self.dense,
+                                       self.version + 1, self.manifest["created_unix_s"],
+                                       n_docs=len(self.doc_ids))
+        _write_json(work / MANIFEST, self.manifest)
+        _swap_in(work, self.directory)   # the queue file stays behind in the old dir: consumed
+        return len(docs)
+
+    def stats(self) -> dict:
+        m = self.manifest
+        return {"kb_version": m["kb_version"], "n_docs": m["n_docs"], "n_chunks": m["n_chunks"],
+                "queued": len(self._queued_ids()), "embedder": m["embedder"]["source"],
+                "variant": m["embedder"]["variant"], "hnsw_ef": m["hnsw"]["ef"],
+                "hnsw_built": m["hnsw"]["built"], "chunking": m["chunking"]}
+
+
+class PoolRefresh:
+    """The paper's simulated index refresh: with probability p, 100 unseen passages from a pool."""
+
+    def __init__(self, pool: list[Document], n_passages: int = 100, probability: float = 0.5,
+                 seed: int = 0) -> None:
+        if not 0 <= probability <= 1 or n_passages < 1:
+            raise InputError("PoolRefresh needs 0 <= probability <= 1 and n_passages >= 1")
+        self.pool, self.n, self.p = list(pool), n_passages, probability
+        self.rng = np.random.default_rng(seed)
+        self.next = 0
+
+    def draw(self) -> list[Document]:
+        if self.rng.random() >= self.p or self.next >= len(self.pool):
+            return []
+        out = self.pool[self.next:self.next + self.n]
+        self.next += len(out)
+        return out
