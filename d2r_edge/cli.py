@@ -8,7 +8,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from d2r_edge.errors import D2RError, MissingExtraError
+from d2r_edge.errors import D2RError, InputError, MissingExtraError
 
 log = logging.getLogger("d2r_edge.cli")
 
@@ -69,6 +69,66 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _embedder(args):
+    from d2r_edge.onnx.encoders import Embedder
+    from d2r_edge.onnx.manifest import Variant, load_manifest
+
+    return Embedder(load_manifest(args.models), variant=Variant(args.variant),
+                    allow_random_weights=args.allow_random_weights)
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    import json
+
+    from d2r_edge.retrieval.kb import KnowledgeBase
+
+    if args.action == "build":
+        if not args.docs:
+            raise InputError("index build needs --docs FILE.jsonl")
+        kb = KnowledgeBase.build(args.docs, args.kb, _embedder(args))
+    elif args.action == "add":
+        if not args.docs:
+            raise InputError("index add needs --docs FILE.jsonl")
+        kb = KnowledgeBase.open(args.kb)
+        print(f"queued {kb.queue(args.docs)} document(s); run d2r-edge index refresh to ingest")
+    elif args.action == "refresh":
+        emb = _embedder(args)
+        kb = KnowledgeBase.open(args.kb, emb)
+        print(f"ingested {kb.refresh(emb)} document(s)")
+    elif args.action == "kg":
+        from d2r_edge.kg.store import build_store
+        from d2r_edge.onnx.manifest import Variant, load_manifest
+        from d2r_edge.onnx.seq2seq import Seq2SeqModel, Triples
+
+        emb = _embedder(args)
+        kb = KnowledgeBase.open(args.kb, emb)
+        model = Seq2SeqModel(load_manifest(args.models), variant=Variant(args.variant),
+                             allow_random_weights=args.allow_random_weights)
+        store = build_store(kb, Triples(model), emb)
+        print(f"stored {len(store)} triples from {len(kb.chunks)} chunks")
+    else:
+        kb = KnowledgeBase.open(args.kb)
+    print(json.dumps(kb.stats(), indent=1))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from d2r_edge.eval.retrieval import evaluate
+
+    table = evaluate(Path(args.data), Path(args.work), _embedder(args), args.fever_limit)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n", encoding="utf-8")
+    return 0
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default="models/tiny", help="exported profile directory (has manifest.json)")
+    p.add_argument("--variant", default="int8", choices=["fp32", "int8", "fp16"])
+    p.add_argument("--allow-random-weights", action="store_true",
+                   help="accept roles exported with random weights (tests, demos of the plumbing)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="d2r-edge", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -86,6 +146,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-init", default=None, metavar="CONFIG",
                    help="export only a real-size random model (deberta-v3-base, bart-large, ...)")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("index", help="build and maintain a knowledge base")
+    p.add_argument("action", choices=["build", "add", "refresh", "stats", "kg"])
+    p.add_argument("--kb", required=True, help="knowledge-base directory")
+    p.add_argument("--docs", help="JSONL documents: id, title, text (+ metadata)")
+    _model_args(p)
+    p.set_defaults(func=cmd_index)
+
+    p = sub.add_parser("eval", help="retrieval quality on the shared samples (recall@5/10/20)")
+    p.add_argument("what", choices=["retrieval"])
+    p.add_argument("--data", default="../shared/data")
+    p.add_argument("--work", default="models/.eval", help="where the evaluation KBs are built")
+    p.add_argument("--fever-limit", type=int, default=None, help="use only the first N FEVER claims")
+    p.add_argument("--out", default=None, help="also write the markdown table here")
+    _model_args(p)
+    p.set_defaults(func=cmd_eval)
     return parser
 
 
