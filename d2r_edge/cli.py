@@ -122,6 +122,87 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace):
+    from d2r_edge.app import RunSettings
+    from d2r_edge.config import BUDGET_PRESETS, Budget, ExplorationConfig, RewardConfig
+    from d2r_edge.onnx.manifest import Variant
+    from d2r_edge.tasks import Task
+
+    budget = BUDGET_PRESETS[args.budget_preset] if args.budget_preset else \
+        Budget(latency_s=args.budget_latency_s, device_mem_mib=args.budget_mem_mib)
+    return RunSettings(
+        kb=Path(args.kb), models=Path(args.models), task=Task(args.task), variant=Variant(args.variant),
+        allow_random_weights=args.allow_random_weights, generator=args.generator,
+        base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
+        timeout_s=args.timeout_s, policy_path=Path(args.policy) if args.policy else None,
+        policy_kind=args.policy_kind, alpha=args.alpha, budget=budget,
+        reward=RewardConfig(gates=not args.unconstrained, cost_weighting=not args.unweighted),
+        exploration=ExplorationConfig(rate=args.explore, seed=args.seed),
+        refresh_pool=Path(args.refresh_pool) if args.refresh_pool else None, seed=args.seed)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from d2r_edge.app import build_pipeline
+    from d2r_edge.runner import load_queries, process, summary
+
+    queries = load_queries(Path(args.queries))
+    if args.limit:
+        queries = queries[: args.limit]
+    pipeline = build_pipeline(_settings(args))
+    rlog = process(pipeline, queries, Path(args.out), learn=False)
+    print(summary(rlog.records))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from d2r_edge.app import build_pipeline, replay_missing_updates, save_policy
+    from d2r_edge.runner import RecordLog, load_queries, process, summary
+
+    if not args.policy:
+        raise InputError("train needs --policy FILE.npz (where the policy is saved)")
+    queries = load_queries(Path(args.queries))
+    if args.limit:
+        queries = queries[: args.limit]
+    settings = _settings(args)
+    pipeline = build_pipeline(settings)
+    prior = RecordLog(Path(args.out))
+    prior.close()
+    if replay_missing_updates(pipeline, prior.records):
+        save_policy(pipeline, settings.policy_path)
+    for epoch in range(args.epochs):   # Alg. 2: online, one pass per epoch
+        rlog = process(pipeline, queries, Path(args.out), learn=True, epoch=epoch,
+                       on_update=lambda rec: save_policy(pipeline, settings.policy_path))
+    save_policy(pipeline, settings.policy_path)
+    print(summary(rlog.records))
+    print(f"policy saved to {settings.policy_path}")
+    return 0
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kb", required=True, help="knowledge-base directory (d2r-edge index build)")
+    p.add_argument("--task", required=True, choices=["fever", "qa"])
+    p.add_argument("--queries", required=True, help="JSONL: {id, claim|question, label?} or {_id, question, answer?}")
+    p.add_argument("--out", required=True, help="JSONL records; rerun with the same file to resume")
+    p.add_argument("--limit", type=int, default=None, help="only the first N queries")
+    p.add_argument("--policy", default=None, help="policy .npz (loaded if present; train saves it)")
+    p.add_argument("--policy-kind", default="linucb", choices=["linucb", "thompson"])
+    p.add_argument("--alpha", type=float, default=2.0, help="LinUCB exploration (paper: 2)")
+    p.add_argument("--generator", default="extractive", choices=["extractive", "openai"])
+    p.add_argument("--base-url", default="http://127.0.0.1:8080/v1", help="OpenAI-compatible server")
+    p.add_argument("--model", default="local", help="model name sent to the server")
+    p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
+    p.add_argument("--timeout-s", type=float, default=60.0)
+    p.add_argument("--budget-latency-s", type=float, default=3.0, help="per repair action (paper: 3 s)")
+    p.add_argument("--budget-mem-mib", type=float, default=6.0, help="per repair action (paper: 6 MB)")
+    p.add_argument("--budget-preset", choices=["paper", "stringent", "relaxed"], default=None)
+    p.add_argument("--unconstrained", action="store_true", help="ablation: no hard budget gates in the reward")
+    p.add_argument("--unweighted", action="store_true", help="ablation: no cost weighting in the reward")
+    p.add_argument("--explore", type=float, default=0.0, help="weighted random exploration rate (train)")
+    p.add_argument("--refresh-pool", default=None, help="JSONL pool for the paper's simulated refresh arm")
+    p.add_argument("--seed", type=int, default=0)
+    _model_args(p)
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="models/tiny", help="exported profile directory (has manifest.json)")
     p.add_argument("--variant", default="int8", choices=["fp32", "int8", "fp16"])
@@ -162,6 +243,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="also write the markdown table here")
     _model_args(p)
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("run", help="answer queries with diagnose-and-repair; one JSON record per query")
+    _run_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("train", help="learn the repair policy online (Alg. 2) and save it")
+    _run_args(p)
+    p.add_argument("--epochs", type=int, default=2, help="passes over the queries (paper: 2)")
+    p.set_defaults(func=cmd_train)
     return parser
 
 

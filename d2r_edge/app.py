@@ -1,0 +1,149 @@
+"""Assembles a Pipeline from files: exported models, a KB, a policy, a generator."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from d2r_edge.budget import CostModel, Meter
+from d2r_edge.config import Budget, ContextConfig, ExplorationConfig, RewardConfig
+from d2r_edge.diagnose import Diagnoser
+from d2r_edge.errors import ConfigError, PolicyFileError
+from d2r_edge.kg.check import KGChecker
+from d2r_edge.kg.store import KG_DIR, TripleStore
+from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
+from d2r_edge.onnx.manifest import Role, Variant, load_manifest
+from d2r_edge.pipeline import Pipeline
+from d2r_edge.policy import Explorer, LinUCB, ThompsonSampling
+from d2r_edge.repair import ARM_NAMES, IS_RETRIEVAL
+from d2r_edge.retrieval.docs import read_documents
+from d2r_edge.retrieval.kb import KnowledgeBase, PoolRefresh
+from d2r_edge.retrieval.retriever import Retriever
+from d2r_edge.tasks import Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    kb: Path
+    models: Path
+    task: Task
+    variant: Variant = Variant.INT8
+    allow_random_weights: bool = False
+    generator: str = "extractive"
+    base_url: str = "http://127.0.0.1:8080/v1"
+    model: str = "local"
+    api_key_env: str | None = "OPENAI_API_KEY"
+    timeout_s: float = 60.0
+    policy_path: Path | None = None
+    policy_kind: str = "linucb"
+    alpha: float = 2.0
+    budget: Budget = field(default_factory=Budget)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    exploration: ExplorationConfig = field(default_factory=ExplorationConfig)
+    query_dim: int | None = 128
+    refresh_pool: Path | None = None
+    seed: int = 0
+
+
+def costs_path(policy_path: Path) -> Path:
+    return policy_path.with_name(policy_path.stem + ".costs.npz")
+
+
+def load_policy(s: RunSettings, dim: int):
+    if s.policy_path is not None and s.policy_path.is_file():
+        if s.policy_kind == "thompson":
+            pol = ThompsonSampling.load(s.policy_path, arm_names=ARM_NAMES)
+        else:
+            pol = LinUCB.load(s.policy_path, dim=dim, arm_names=ARM_NAMES)
+        cp = costs_path(s.policy_path)
+        costs = CostModel.load(cp) if cp.is_file() else CostModel(len(ARM_NAMES))
+        return pol, costs
+    if s.policy_kind == "thompson":
+        pol = ThompsonSampling(len(ARM_NAMES), seed=s.seed, arm_names=ARM_NAMES)
+    elif s.policy_kind == "linucb":
+        pol = LinUCB(len(ARM_NAMES), dim, s.alpha, arm_names=ARM_NAMES)
+    else:
+        raise ConfigError(f"policy kind must be linucb or thompson, got {s.policy_kind!r}")
+    return pol, CostModel(len(ARM_NAMES))
+
+
+def policy_updates(policy) -> int:
+    if isinstance(policy, LinUCB):
+        return int(policy.counts.sum())
+    return int(policy.successes.sum() + policy.failures.sum() - 2 * policy.n_arms)
+
+
+def build_pipeline(s: RunSettings) -> Pipeline:
+    manifest = load_manifest(s.models)
+    allow = s.allow_random_weights
+    embedder = Embedder(manifest, variant=s.variant, allow_random_weights=allow)
+    nli = NLI(manifest, variant=s.variant, allow_random_weights=allow)
+    reranker = (CrossEncoder(manifest, variant=s.variant, allow_random_weights=allow)
+                if manifest.has(Role.RERANKER) else None)
+    kb = KnowledgeBase.open(s.kb, embedder)
+    extractor, store = None, TripleStore.from_triples([], embedder)
+    if manifest.has(Role.TRIPLES):
+        from d2r_edge.onnx.seq2seq import Seq2SeqModel, Triples
+
+        extractor = Triples(Seq2SeqModel(manifest, variant=s.variant, allow_random_weights=allow))
+        if (kb.directory / KG_DIR / "triples.jsonl").is_file():
+            store = TripleStore.load(kb.directory / KG_DIR)
+        else:
+            log.warning("%s has no triple store: every response triple will be MISSING "
+                        "(run d2r-edge index kg --kb %s)", kb.directory, kb.directory)
+    kg = KGChecker(store, extractor, embedder, s.task.kg_thresholds)
+    if s.generator == "extractive":
+        from d2r_edge.generate import Extractive
+
+        generator = Extractive(nli, reranker, embedder)
+    elif s.generator == "openai":
+        from d2r_edge.generate import OpenAICompatible
+
+        generator = OpenAICompatible(s.base_url, s.model, api_key_env=s.api_key_env, timeout_s=s.timeout_s)
+    else:
+        raise ConfigError(f"--generator must be extractive or openai, got {s.generator!r}")
+    context = context_builder(embedder, s)
+    policy, costs = load_policy(s, context.dim)
+    pool = None
+    if s.refresh_pool is not None:
+        pool = PoolRefresh(read_documents(s.refresh_pool, known_ids=kb.doc_ids).documents, seed=s.seed)
+
+    def refresh() -> int:
+        return kb.refresh(embedder, extra=pool.draw() if pool else None)
+
+    for model in (embedder, nli):
+        model.warmup()
+    return Pipeline(task=s.task, retriever=Retriever(kb, embedder, reranker), generator=generator,
+                    diagnoser=Diagnoser(nli, kg), policy=policy, context=context, costs=costs,
+                    meter=Meter(), budget=s.budget, reward_cfg=s.reward,
+                    explorer=Explorer(IS_RETRIEVAL, s.exploration) if s.exploration.rate > 0 else None,
+                    refresh=refresh)
+
+
+def context_builder(embedder, s: RunSettings):
+    from d2r_edge.policy.features import ContextBuilder
+
+    return ContextBuilder(ContextConfig(embedding_dim=embedder.dim, query_dim=s.query_dim,
+                                        projection_seed=s.seed))
+
+
+def save_policy(pipeline: Pipeline, path: Path) -> None:
+    pipeline.policy.save(path)
+    pipeline.costs.save(costs_path(path))
+
+
+def replay_missing_updates(pipeline: Pipeline, records: list[dict]) -> int:
+    """Updates logged before a crash but absent from the saved policy are applied again."""
+    logged = [r["repair"] for r in records if r.get("repair") and r["repair"].get("x") is not None]
+    missing = len(logged) - policy_updates(pipeline.policy)
+    if missing < 0:
+        raise PolicyFileError("the policy has more updates than the training log; use the log it was trained with")
+    for rep in logged[len(logged) - missing:]:
+        pipeline.policy.update(rep["arm_index"], np.asarray(rep["x"]), rep["reward"])
+        pipeline.costs.observe(rep["arm_index"], rep["latency_s"], rep["mem_growth_mib"])
+    return missing

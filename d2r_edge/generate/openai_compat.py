@@ -1,0 +1,103 @@
+"""Chat completions over HTTP: vLLM, llama.cpp's server, Ollama, OpenAI. Standard library only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from d2r_edge.errors import ConfigError, D2RError
+from d2r_edge.generate.base import Generation, parse_output
+from d2r_edge.repair import PromptStyle
+from d2r_edge.tasks import Task, build_prompt
+
+log = logging.getLogger(__name__)
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+class GeneratorError(D2RError):
+    """The generator could not produce an answer (down, timing out, HTTP errors)."""
+
+    exit_code = 11
+
+
+@dataclass
+class OpenAICompatible:
+    base_url: str
+    model: str
+    api_key_env: str | None = "OPENAI_API_KEY"
+    timeout_s: float = 60.0
+    max_retries: int = 3
+    max_tokens: int = 256
+    temperature: float = 0.0
+    json_mode: bool = True     # response_format json_object; dropped if the server rejects it
+    backoff_s: float = 0.5
+    name: str = "openai"
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+        if self.timeout_s <= 0 or self.max_retries < 0:
+            raise ConfigError("timeout_s must be > 0 and max_retries >= 0")
+
+    def _headers(self) -> dict:
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        if key:
+            headers["Authorization"] = f"Bearer {key}"   # never logged
+        return headers
+
+    def _post(self, payload: dict) -> dict:
+        url = self.base_url.rstrip("/") + "/chat/completions"
+        data = json.dumps(payload).encode("utf-8")
+        last = "no attempt"
+        for attempt in range(self.max_retries + 1):
+            req = urllib.request.Request(url, data=data, headers=self._headers(), method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    return json.loads(resp.read().decode("utf-8"))
+            except urllib.error.HTTPError as exc:
+                body = exc.read().decode("utf-8", "replace")[:300]
+                if exc.code == 400 and "response_format" in payload:
+                    raise _RejectedJSONMode(body) from None
+                last = f"HTTP {exc.code}: {body}"
+                if exc.code not in RETRY_STATUS:
+                    break
+            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as exc:
+                last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+            except json.JSONDecodeError as exc:
+                last = f"invalid JSON body ({exc.msg})"
+            if attempt < self.max_retries:
+                time.sleep(self.backoff_s * (2 ** attempt) * (1 + random.random() * 0.1))
+        raise GeneratorError(f"generator at {self.base_url} failed after {self.max_retries + 1} "
+                             f"attempt(s): {last}")
+
+    def generate(self, task: Task, style: PromptStyle, query: str, passages: list[str]) -> Generation:
+        prompt = build_prompt(task, style, query, passages)
+        payload = {"model": self.model, "temperature": self.temperature, "max_tokens": self.max_tokens,
+                   "messages": [{"role": "system", "content": prompt.system},
+                                {"role": "user", "content": prompt.user}]}
+        if self.json_mode:
+            payload["response_format"] = {"type": "json_object"}
+        try:
+            body = self._post(payload)
+        except _RejectedJSONMode:
+            log.info("server rejected response_format=json_object; asking without it from now on")
+            self.json_mode = False
+            payload.pop("response_format")
+            body = self._post(payload)
+        try:
+            text = body["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            raise GeneratorError(f"generator at {self.base_url} returned no choices: {str(body)[:200]}") from None
+        return parse_output(task, text)
+
+
+class _RejectedJSONMode(Exception):
+    pass

@@ -1,0 +1,135 @@
+"""One query: retrieve -> generate -> diagnose -> (select -> repair -> diagnose -> reward)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from d2r_edge.budget import CostModel, Meter
+from d2r_edge.config import Budget, RewardConfig
+from d2r_edge.diagnose import Diagnoser, Diagnosis, Label
+from d2r_edge.generate.base import Generation
+from d2r_edge.policy.explore import Explorer
+from d2r_edge.policy.features import ContextBuilder
+from d2r_edge.policy.reward import reward
+from d2r_edge.repair import ARM_NAMES, ARMS, IS_RETRIEVAL, PipelineConfig, allowed_arms
+from d2r_edge.retrieval.retriever import Passage, Retriever
+from d2r_edge.signals import Entailment, FailureType, KGStatus
+from d2r_edge.tasks import Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Attempt:
+    passages: list[Passage]
+    generation: Generation
+    diagnosis: Diagnosis
+    timings_s: dict[str, float]
+
+    def summary(self) -> dict:
+        d = self.diagnosis
+        return {"passages": [p.doc_id for p in self.passages], "label": d.label.value if d.label else None,
+                "gated_label": d.gated_label.value if d.gated_label else None,
+                "response": self.generation.response, "failure": d.failure.value, "e_q": d.e_q.value,
+                "e_r": d.e_r.value, "kg": d.kg.value, "nli_q": d.passage_probs_q, "nli_r": d.passage_probs_r,
+                "timings_s": self.timings_s}
+
+
+@dataclass
+class Pipeline:
+    task: Task
+    retriever: Retriever
+    generator: object
+    diagnoser: Diagnoser
+    policy: object                              # LinUCB or ThompsonSampling
+    context: ContextBuilder
+    costs: CostModel
+    meter: Meter
+    budget: Budget = field(default_factory=Budget)
+    reward_cfg: RewardConfig = field(default_factory=RewardConfig)
+    explorer: Explorer | None = None
+    refresh: Callable[[], int] | None = None    # the refresh arm's source; returns docs added
+    default: PipelineConfig = field(default_factory=PipelineConfig)
+
+    def attempt(self, query: str, cfg: PipelineConfig) -> Attempt:
+        t = {}
+        t0 = time.perf_counter()
+        if cfg.refresh and self.refresh is not None:
+            t["refresh_docs"] = float(self.refresh())
+        t["refresh_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        passages = self.retriever.retrieve(query, cfg.retrieval)
+        t["retrieve_s"] = time.perf_counter() - t0
+        texts = [p.text for p in passages]
+        t0 = time.perf_counter()
+        gen = self.generator.generate(self.task, cfg.prompt, query, texts)
+        t["generate_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        diag = self.diagnoser.diagnose(query, texts, gen.response, gen.label, self.task.fact_verification)
+        t["diagnose_s"] = time.perf_counter() - t0
+        return Attempt(passages, gen, diag, t)
+
+    def run(self, query: str, learn: bool) -> dict:
+        """Answer one query with at most one repair (Alg. 2 l.6-15); returns the record."""
+        t_start = time.perf_counter()
+        first = self.attempt(query, self.default)
+        rec = {"first": first.summary(), "failure": first.diagnosis.failure.value, "repair": None}
+        final = first
+        if first.diagnosis.failure is not FailureType.NO_FAILURE:
+            rec["repair"], final = self._repair(query, first, learn, time.perf_counter() - t_start)
+        rec["final"] = final.summary()
+        rec["final_answer"] = self._answer(final)
+        rec["first_answer"] = self._answer(first)
+        rec["total_s"] = time.perf_counter() - t_start
+        return rec
+
+    def _answer(self, a: Attempt) -> str:
+        if self.task.fact_verification:
+            return (a.diagnosis.gated_label or Label.NOT_ENOUGH_INFO).value
+        return a.generation.response
+
+    def _repair(self, query: str, first: Attempt, learn: bool, spent_s: float) -> tuple[dict, Attempt]:
+        t0 = time.perf_counter()
+        d = first.diagnosis
+        q_vec = self.retriever.embedder.encode([query])[0]
+        remaining_s = max(0.0, self.budget.latency_s - spent_s)
+        x = self.context.build(q_vec, d.failure, d.kg, d.e_q, d.e_r, remaining_s,
+                               self.budget.device_mem_mib, self.budget)
+        allowed = allowed_arms(d.unverified, self.task.restrict_unverified)
+        masked = self.costs.mask(self.budget, allowed)
+        if self.explorer is not None and learn:
+            decision = self.explorer.decide(self.policy, x, masked.allowed)
+            arm, propensity, explored = decision.arm, decision.propensity, decision.explored
+        else:
+            arm, propensity, explored = self.policy.select(x, masked.allowed), None, False
+        policy_s = time.perf_counter() - t0
+        cfg = ARMS[arm].apply(self.default)
+        with self.meter.measure() as m:
+            second = self.attempt(query, cfg)
+        cost = m.result
+        d2 = second.diagnosis
+        r = reward(no_failure=d2.failure is FailureType.NO_FAILURE,
+                   kg_consistent=d2.kg is KGStatus.CONSISTENT,
+                   nli_entailed=d2.e_r is Entailment.ENTAILMENT,
+                   latency_s=cost.latency_s, device_mem_mib=cost.mem_growth_mib,
+                   budget=self.budget, cfg=self.reward_cfg)
+        self.costs.observe(arm, cost.latency_s, cost.mem_growth_mib)
+        t1 = time.perf_counter()
+        if learn:
+            self.policy.update(arm, x, r)
+        policy_s += time.perf_counter() - t1
+        return {
+            "allowed": [ARM_NAMES[i] for i in np.flatnonzero(allowed)],
+            "cost_masked": [ARM_NAMES[i] for i in np.flatnonzero(allowed & ~masked.allowed)],
+            "mask_fallback": masked.fallback, "arm": ARM_NAMES[arm], "arm_index": arm,
+            "propensity": propensity, "explored": explored, "latency_s": cost.latency_s,
+            "mem_growth_mib": cost.mem_growth_mib, "memory_kind": cost.memory_kind.value,
+            "over_budget": cost.latency_s > self.budget.latency_s or cost.mem_growth_mib > self.budget.device_mem_mib,
+            "reward": r, "x": x.tolist() if learn else None, "policy_s": policy_s,
+            "is_retrieval_arm": bool(IS_RETRIEVAL[arm]),
+        }, second

@@ -1,0 +1,184 @@
+"""Batch runs: `d2r-edge run` and `d2r-edge train` (Alg. 2), resumable, with a summary.
+
+Output is JSONL, one record per query, appended and fsynced one at a time. A
+rerun with the same output skips what is recorded (a torn last line from a
+crash is cut and redone), so nothing is lost or duplicated. Training logs each
+policy update (arm, x, reward) before saving the policy atomically; on resume,
+updates logged but missing from the saved policy are replayed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import string
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from d2r_edge.errors import InputError
+from d2r_edge.tasks import Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Query:
+    id: str
+    text: str
+    label: str | None = None
+    answer: str | None = None
+
+
+def load_queries(path: Path) -> list[Query]:
+    """FEVER-style {id, claim|question, label?} or HotpotQA-style {_id, question, answer?}."""
+    out, bad, seen = [], [], set()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read queries file {path}: {exc}") from None
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            qid = str(row.get("id", row.get("_id")))
+            text = row.get("claim") or row.get("question")
+            if row.get("id", row.get("_id")) is None or not isinstance(text, str) or not text.strip():
+                raise ValueError("needs id/_id and a non-empty claim or question")
+        except (json.JSONDecodeError, ValueError, AttributeError) as exc:
+            bad.append((n, str(exc)[:80]))
+            continue
+        if qid in seen:
+            bad.append((n, f"duplicate id {qid!r}"))
+            continue
+        seen.add(qid)
+        out.append(Query(qid, text, row.get("label"), row.get("answer")))
+    for n, why in bad:
+        log.warning("%s line %d skipped: %s", path, n, why)
+    if not out:
+        raise InputError(f"{path} has no usable query ({len(bad)} broken line(s))")
+    return out
+
+
+class RecordLog:
+    """Append-only JSONL with crash-safe resume."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.records: list[dict] = []
+        if self.path.is_file():
+            data = self.path.read_bytes()
+            keep = len(data)
+            lines = data.split(b"\n")
+            pos = 0
+            for raw in lines:
+                end = pos + len(raw) + 1
+                if raw.strip():
+                    try:
+                        self.records.append(json.loads(raw))
+                    except json.JSONDecodeError:
+                        keep = pos  # torn write from a crash: drop it and everything after
+                        break
+                pos = end
+            if keep < len(data) and not data[:keep].endswith(b"\n") and keep:
+                keep = data.rfind(b"\n", 0, keep) + 1
+            if keep < len(data):
+                with open(self.path, "r+b") as fh:
+                    fh.truncate(keep)
+                log.warning("%s: cut a torn last record; it will be redone", self.path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "a", encoding="utf-8")
+
+    def append(self, rec: dict) -> None:
+        self._fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self.records.append(rec)
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+_PUNCT = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(s: str) -> str:
+    s = s.lower().translate(_PUNCT)
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def correct(task: Task, q: dict, answer: str) -> bool | None:
+    if task.fact_verification:
+        if not q.get("label"):
+            return None
+        gold = str(q["label"]).upper().replace("_", " ")
+        gold = "NOT ENOUGH INFO" if gold in ("NOTENOUGHINFO", "NEI") else gold
+        got = "NOT ENOUGH INFO" if answer == "UNVERIFIED" else answer
+        return got == gold
+    if not q.get("answer"):
+        return None
+    return normalize_answer(answer) == normalize_answer(str(q["answer"]))
+
+
+def process(pipeline, queries: list[Query], out: Path, learn: bool, epoch: int | None = None,
+            on_update=None) -> RecordLog:
+    """Run queries not yet in `out`; errors are recorded per query and the run goes on."""
+    from tqdm import tqdm
+
+    rlog = RecordLog(out)
+    done = {(r.get("epoch"), r["id"]) for r in rlog.records}
+    todo = [q for q in queries if (epoch, q.id) not in done]
+    try:
+        for q in tqdm(todo, desc="queries" if epoch is None else f"epoch {epoch}", disable=None):
+            rec = {"id": q.id, "epoch": epoch, "query": q.text, "gold_label": q.label,
+                   "gold_answer": q.answer, "task": pipeline.task.value}
+            try:
+                rec.update(pipeline.run(q.text, learn))
+                gold = {"label": q.label, "answer": q.answer}
+                rec["first_correct"] = correct(pipeline.task, gold, rec["first_answer"])
+                rec["final_correct"] = correct(pipeline.task, gold, rec["final_answer"])
+                rec["error"] = None
+            except Exception as exc:  # one query's failure (generator down, ...) must not end the run
+                from d2r_edge.errors import D2RError
+
+                if not isinstance(exc, (D2RError, OSError, ValueError)):
+                    raise
+                log.warning("query %s failed: %s", q.id, exc)
+                rec["error"] = f"{type(exc).__name__}: {exc}"
+            rlog.append(rec)
+            if on_update is not None and rec.get("repair") and learn:
+                on_update(rec)
+    finally:
+        rlog.close()
+    return rlog
+
+
+def summary(records: list[dict]) -> str:
+    """Failure-type counts, arm counts, accuracy/EM, latency percentiles, budget violations."""
+    ok = [r for r in records if not r.get("error")]
+    lines = [f"queries: {len(records)} ({len(records) - len(ok)} with errors)"]
+    fails = Counter(r["failure"] for r in ok)
+    lines.append("failure types: " + ", ".join(f"{k} {v}" for k, v in fails.most_common()))
+    arms = Counter(r["repair"]["arm"] for r in ok if r.get("repair"))
+    lines.append("arms: " + (", ".join(f"{k} {v}" for k, v in arms.most_common()) or "none"))
+    for which in ("first", "final"):
+        vals = [r[f"{which}_correct"] for r in ok if r.get(f"{which}_correct") is not None]
+        if vals:
+            name = "naive (first answer)" if which == "first" else "D2R (final answer)"
+            lines.append(f"{name} accuracy/EM: {np.mean(vals):.3f} over {len(vals)}")
+    tot = [r["total_s"] for r in ok]
+    if tot:
+        lines.append(f"per-query latency p50 {np.percentile(tot, 50):.3f} s, p95 {np.percentile(tot, 95):.3f} s")
+    rep = [r["repair"] for r in ok if r.get("repair")]
+    if rep:
+        lat = [x["latency_s"] for x in rep]
+        over = sum(x["over_budget"] for x in rep)
+        lines.append(f"repair latency p50 {np.percentile(lat, 50):.3f} s, p95 {np.percentile(lat, 95):.3f} s; "
+                     f"budget violations {over}/{len(rep)}; memory kind {rep[0]['memory_kind']}")
+    return "\n".join(lines)
