@@ -147,3 +147,19 @@ def replay_missing_updates(pipeline: Pipeline, records: list[dict]) -> int:
         pipeline.policy.update(rep["arm_index"], np.asarray(rep["x"]), rep["reward"])
         pipeline.costs.observe(rep["arm_index"], rep["latency_s"], rep["mem_growth_mib"])
     return missing
+
+
+def train(pipeline: Pipeline, queries, out: Path, policy_path: Path, epochs: int = 2) -> list[dict]:
+    """Alg. 2: online passes over the queries; the policy is saved after every update."""
+    from d2r_edge.runner import RecordLog, process
+
+    prior = RecordLog(out)
+    prior.close()
+    if replay_missing_updates(pipeline, prior.records):
+        save_policy(pipeline, policy_path)
+    records = prior.records
+    for epoch in range(epochs):
+        records = process(pipeline, queries, out, learn=True, epoch=epoch,
+                          on_update=lambda rec: save_policy(pipeline, policy_path)).records
+    save_policy(pipeline, policy_path)
+    return records

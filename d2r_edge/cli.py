@@ -155,8 +155,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from d2r_edge.app import build_pipeline, replay_missing_updates, save_policy
-    from d2r_edge.runner import RecordLog, load_queries, process, summary
+    from d2r_edge.app import build_pipeline, train
+    from d2r_edge.runner import load_queries, summary
 
     if not args.policy:
         raise InputError("train needs --policy FILE.npz (where the policy is saved)")
@@ -164,16 +164,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.limit:
         queries = queries[: args.limit]
     settings = _settings(args)
-    pipeline = build_pipeline(settings)
-    prior = RecordLog(Path(args.out))
-    prior.close()
-    if replay_missing_updates(pipeline, prior.records):
-        save_policy(pipeline, settings.policy_path)
-    for epoch in range(args.epochs):   # Alg. 2: online, one pass per epoch
-        rlog = process(pipeline, queries, Path(args.out), learn=True, epoch=epoch,
-                       on_update=lambda rec: save_policy(pipeline, settings.policy_path))
-    save_policy(pipeline, settings.policy_path)
-    print(summary(rlog.records))
+    records = train(build_pipeline(settings), queries, Path(args.out), settings.policy_path, args.epochs)
+    print(summary(records))
     print(f"policy saved to {settings.policy_path}")
     return 0
 

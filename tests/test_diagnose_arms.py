@@ -1,0 +1,123 @@
+"""Algorithm 1 over every signal combination, the arm registry, the UNVERIFIED rule."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from d2r_edge.diagnose import Diagnoser, Label, aggregate_nli, detect_failure, label_compatible
+from d2r_edge.repair import ARMS, IS_RETRIEVAL, PipelineConfig, PromptStyle, allowed_arms
+from d2r_edge.retrieval.retriever import RetrieverKind
+from d2r_edge.signals import Entailment, FailureType, KGStatus
+
+E, N, C = Entailment.ENTAILMENT, Entailment.NEUTRAL, Entailment.CONTRADICTION
+
+
+def expected(kg, e_q, e_r, label):
+    """Alg. 1 written out independently, line by line."""
+    if kg == KGStatus.CONFLICT:
+        return FailureType.WRONG_PREDICATE
+    if e_q == N:
+        return FailureType.INSUFFICIENT_EVIDENCE
+    if e_r != E:
+        return FailureType.WRONG_RESPONSE
+    if label == Label.SUPPORTS and e_q == C:
+        return FailureType.LABEL_EVIDENCE_MISMATCH
+    if label == Label.REFUTES and e_q == E:
+        return FailureType.LABEL_EVIDENCE_MISMATCH
+    return FailureType.NO_FAILURE
+
+
+@pytest.mark.parametrize("kg,e_q,e_r,label", list(itertools.product(
+    list(KGStatus), list(Entailment), list(Entailment), [None, *Label])))
+def test_algorithm_1_every_combination(kg, e_q, e_r, label):
+    assert detect_failure(kg, e_q, e_r, label) is expected(kg, e_q, e_r, label)
+
+
+def test_aggregate_nli():
+    assert aggregate_nli([]) is N
+    assert aggregate_nli([N, N]) is N
+    assert aggregate_nli([N, C, E]) is E
+    assert aggregate_nli([N, C]) is C
+    assert aggregate_nli([C]) is C
+
+
+def test_label_compatibility():
+    assert not label_compatible(Label.SUPPORTS, C) and not label_compatible(Label.REFUTES, E)
+    assert label_compatible(Label.SUPPORTS, E) and label_compatible(Label.NOT_ENOUGH_INFO, C)
+    assert Label.parse("NOTENOUGHINFO") is Label.NOT_ENOUGH_INFO and Label.parse("refutes") is Label.REFUTES
+    assert Label.parse("maybe") is None and Label.parse(None) is None
+
+
+class StubNLI:
+    """Label order deliberately not entailment-first: the diagnoser must read it from labels."""
+
+    labels = ["contradiction", "entailment", "neutral"]
+
+    def __init__(self, rows):
+        self.rows, self.calls = np.asarray(rows, dtype=np.float32), 0
+
+    def score(self, pairs):
+        self.calls += 1
+        assert len(pairs) == len(self.rows)
+        return self.rows
+
+
+class StubKG:
+    def __init__(self, status):
+        self.status = status
+
+    def check(self, response):
+        from d2r_edge.kg.check import KGResult
+
+        return KGResult(self.status)
+
+
+def test_diagnoser_one_batched_call_and_gating():
+    # passages x (query, response): query rows neutral -> IE -> UNVERIFIED for FEVER
+    rows = [[0, 0, 1], [0, 0, 1], [0, 1, 0], [0, 1, 0]]
+    nli = StubNLI(rows)
+    d = Diagnoser(nli, StubKG(KGStatus.MISSING)).diagnose("q", ["p1", "p2"], "r", Label.SUPPORTS, True)
+    assert nli.calls == 1                      # all 2k pairs in one call
+    assert d.failure is FailureType.INSUFFICIENT_EVIDENCE and d.gated_label is Label.UNVERIFIED
+    assert d.e_q is N and d.e_r is E and d.passage_probs_q[0]["neutral"] == 1.0
+    qa = Diagnoser(StubNLI(rows), StubKG(KGStatus.MISSING)).diagnose("q", ["p1", "p2"], "r", None, False)
+    assert qa.failure is FailureType.INSUFFICIENT_EVIDENCE and qa.gated_label is None
+    # LEM is gated too; WR is not
+    lem = Diagnoser(StubNLI([[0, 1, 0], [0, 1, 0]]), StubKG(KGStatus.CONSISTENT)).diagnose(
+        "q", ["p"], "r", Label.REFUTES, True)
+    assert lem.failure is FailureType.LABEL_EVIDENCE_MISMATCH and lem.unverified
+    wr = Diagnoser(StubNLI([[0, 1, 0], [0, 0, 1]]), StubKG(KGStatus.CONSISTENT)).diagnose(
+        "q", ["p"], "r", Label.SUPPORTS, True)
+    assert wr.failure is FailureType.WRONG_RESPONSE and wr.gated_label is Label.SUPPORTS
+
+
+def test_empty_retrieval_is_insufficient_evidence():
+    d = Diagnoser(StubNLI(np.zeros((0, 3))), StubKG(KGStatus.NO_TRIPLETS)).diagnose(
+        "q", [], "", Label.SUPPORTS, True)
+    assert d.failure is FailureType.INSUFFICIENT_EVIDENCE and d.e_q is N and d.e_r is N
+
+
+def test_arm_registry():
+    assert len(ARMS) == 11 and len({a.name for a in ARMS}) == 11
+    assert IS_RETRIEVAL.sum() == 8
+    combos = {(a.kind, a.top_k, a.refresh) for a in ARMS if a.is_retrieval}
+    assert combos == set(itertools.product([RetrieverKind.DENSE, RetrieverKind.BM25], [10, 20], [False, True]))
+    base = PipelineConfig()
+    assert base.retrieval.kind is RetrieverKind.DENSE and base.retrieval.top_k == 5
+    assert not base.retrieval.rerank and base.prompt is PromptStyle.SIMPLE
+    by = {a.name: a for a in ARMS}
+    cfg = by["bm25_k20_refresh"].apply(base)
+    assert (cfg.retrieval.kind, cfg.retrieval.top_k, cfg.refresh) == (RetrieverKind.BM25, 20, True)
+    assert by["rerank"].apply(base).retrieval.rerank and by["rerank"].apply(base).retrieval.rerank_top_n == 3
+    assert by["prompt_simplify"].apply(base).prompt is PromptStyle.SIMPLIFY
+    assert by["prompt_paraphrase"].apply(base).retrieval == base.retrieval
+    assert base == PipelineConfig()            # applying never mutates the default
+
+
+def test_unverified_rule():
+    assert allowed_arms(True).tolist() == [True] * 8 + [False] * 3
+    assert allowed_arms(False).all()
+    assert allowed_arms(True, restrict_unverified=False).all()   # QA (reference HotpotQA scripts)
