@@ -47,6 +47,12 @@ def _import_export():
     return export.build
 
 
+def _finetune_settings(args: argparse.Namespace):
+    from export.finetune import FinetuneSettings
+
+    return FinetuneSettings(epochs=args.epochs, max_train_pairs=args.max_train_pairs, seed=args.seed)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     build = _import_export()
     from d2r_edge.onnx.manifest import Variant
@@ -63,6 +69,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir) if args.data_dir else None,
         seed=args.seed,
         random_init=args.random_init,
+        finetune=_finetune_settings(args),
     )
     path = build.run_export(req)
     print(f"wrote {path}")
@@ -216,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default="fp32,int8,fp16", help="comma-separated precision variants")
     p.add_argument("--data-dir", default=None, help="parity data (default: ../shared/data if present)")
     p.add_argument("--seed", type=int, default=0, help="seed of random-weight models")
+    p.add_argument("--max-train-pairs", type=int, default=None,
+                   help="fine-tuned roles (offline profile): train on at most N pairs (quick runs)")
+    p.add_argument("--epochs", type=int, default=2, help="fine-tuned roles: passes over the pairs")
     p.add_argument("--random-init", default=None, metavar="CONFIG",
                    help="export only a real-size random model (deberta-v3-base, bart-large, ...)")
     p.set_defaults(func=cmd_export)

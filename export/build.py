@@ -48,6 +48,7 @@ class ExportRequest:
     data_dir: Path | None = None
     seed: int = 0
     random_init: str | None = None     # build this real-size random config for the role it serves
+    finetune: object | None = None     # export.finetune.FinetuneSettings for finetune: sources
 
 
 def load_profile(name: str, profiles_file: Path = PROFILES_FILE) -> dict[str, str]:
@@ -189,14 +190,18 @@ def run_export(req: ExportRequest) -> Path:
         roles = load_profile(req.profile, req.profiles_file)
         roles.update(req.overrides)
     cache = req.models_dir / ".cache"
+    absent = {r: s.removeprefix("absent:").strip() for r, s in roles.items() if s.startswith("absent:")}
+    for r in absent:
+        spec_for(r)
     # Resolve every source first: fail fast on an unreachable hub id or a bad directory.
-    resolved = {Role(spec_for(r).role): resolve(r, s, cache, req.seed) for r, s in roles.items()}
+    resolved = {Role(spec_for(r).role): resolve(r, s, cache, req.seed, req.data_dir, req.finetune)
+                for r, s in roles.items() if r not in absent}
     final = req.models_dir / req.profile
     work = req.models_dir / f".{req.profile}.partial"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     manifest = {"format_version": MANIFEST_FORMAT_VERSION, "profile": req.profile,
-                "created_unix_s": int(time.time()), "tools": _tools(), "roles": {}, "absent": {}}
+                "created_unix_s": int(time.time()), "tools": _tools(), "roles": {}, "absent": absent}
     for role, src in resolved.items():
         manifest["roles"][role.value] = export_role(role, src, work, req.variants)
     _write_json(work / MANIFEST_NAME, manifest)
@@ -212,6 +217,18 @@ def run_export(req: ExportRequest) -> Path:
             figs = parity.encoder_parity(loaded, role, SPECS[role], src.directory, data, variants)
         manifest["roles"][role.value]["parity"] = figs
         log.info("parity %s: %s (%.1f s)", role.value, json.dumps(figs), time.perf_counter() - t0)
+    for role, src in resolved.items():
+        if src.training is not None:
+            from export import finetune_eval
+            from export.finetune_data import build_pairs
+
+            sets = build_pairs(Path(req.data_dir or parity.DEFAULT_DATA_DIR), src.training["settings"]["max_train_pairs"],
+                               src.training["settings"]["seed"])
+            check = finetune_eval.validate_nli if role is Role.NLI else finetune_eval.validate_reranker
+            entry = manifest["roles"][role.value]
+            entry["training"] = src.training
+            entry["validation"] = check(loaded, sets)
+            log.info("validation %s: %s", role.value, json.dumps(entry["validation"]))
     _write_json(work / MANIFEST_NAME, manifest)
     old = req.models_dir / f".{req.profile}.old"
     shutil.rmtree(old, ignore_errors=True)

