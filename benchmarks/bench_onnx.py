@@ -142,17 +142,34 @@ def rebel_texts() -> list[str]:
     return [t for t in rows if 300 < len(t) < 600][:4]   # about 100 tokens each, as in ANCHORS
 
 
+def _padded_ids(models_dir: Path, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids as the runtime makes them, without opening any ONNX session."""
+    from tokenizers import Tokenizer
+
+    entry = load_manifest(models_dir).role("triples", allow_random_weights=True)
+    tok = Tokenizer.from_file(str(entry.tokenizer_path()))
+    tok.no_padding()
+    tok.enable_truncation(entry.max_length_tokens)
+    encs = tok.encode_batch(texts)
+    width = max(len(e.ids) for e in encs)
+    ids = np.full((len(encs), width), entry.generation["pad_token_id"], dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for i, e in enumerate(encs):
+        ids[i, :len(e.ids)], mask[i, :len(e.ids)] = e.ids, 1
+    return ids, mask
+
+
 def make_rebel_fn(models_dir: Path, how: str, max_new: int):
+    if how.startswith("ort"):
+        variant = Variant.INT8 if how == "ort-int8-greedy" else Variant.FP32
+        ort = Seq2SeqModel(load_manifest(models_dir), variant=variant, session=CPU, allow_random_weights=True)
+        return lambda t: ort.greedy(t, max_new)
     from transformers import AutoModelForSeq2SeqLM
 
-    variant = Variant.INT8 if how == "ort-int8-greedy" else Variant.FP32
-    ort = Seq2SeqModel(load_manifest(models_dir), variant=variant, session=CPU, allow_random_weights=True)
-    if how.startswith("ort"):
-        return lambda t: ort.greedy(t, max_new)
     model = AutoModelForSeq2SeqLM.from_pretrained(str(_torch_checkpoint(models_dir, "triples"))).eval()
 
     def generate(t):
-        ids, mask = ort.encode(t)
+        ids, mask = _padded_ids(models_dir, t)
         with torch.no_grad():
             return model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                                   num_beams=1, do_sample=False, max_new_tokens=max_new)
