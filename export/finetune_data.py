@@ -1,8 +1,10 @@
 """Labeled pairs from ../shared/data for the offline NLI and reranker models.
 
-Split by claim / question id (a stable hash), so validation ids never train
-anything, hard-negative mining included: negatives are mined with BM25 over a
-pool built from training rows only.
+Split by a stable hash of the normalized claim / question text rather than
+the row id: FEVER repeats the same claim under several ids (one per
+annotation), and an id split leaked those duplicates into both sides. So
+validation claims never train anything, hard-negative mining included:
+negatives are mined with BM25 over a pool built from training rows only.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ ID2LABEL = {ENT: "entailment", NEU: "neutral", CON: "contradiction"}
 FILES = ("fever/dev.jsonl", "hotpotqa/dev.jsonl", "musique/dev.jsonl", "2wikimultihopqa/dev.jsonl")
 
 
-def is_validation(key: str, percent: int = 20) -> bool:
+def is_validation(text: str, percent: int = 20) -> bool:
+    key = " ".join(text.lower().split())
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100 < percent
 
 
@@ -63,10 +66,10 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0) -
     # the mining pool: training rows' evidence and paragraphs only
     pool: list[str] = []
     for row in fever:
-        if not is_validation(f"fever:{row['id']}"):
+        if not is_validation(row["question"]):
             pool += [s for _, _, s in row.get("derived_evidence_sentences") or []]
-    for src, qid, _, paras in qa:
-        if not is_validation(f"{src}:{qid}"):
+    for src, qid, question, paras in qa:
+        if not is_validation(question):
             pool += [f"{t}\n{x}" for t, x, _ in paras]
     pool = list(dict.fromkeys(pool))
     bm25 = BM25Index()
@@ -77,7 +80,7 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0) -
         return [pool[i] for i in ids if pool[i] not in exclude][:n]
 
     for row in fever:
-        val = is_validation(f"fever:{row['id']}")
+        val = is_validation(row["question"])
         claim, label = row["question"], row["label"]
         evidence = [s for _, _, s in row.get("derived_evidence_sentences") or []]
         target = sets.nli_val if val else sets.nli_train
@@ -95,7 +98,7 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0) -
             for p in mined(claim, set(), 1):
                 target.append((p, claim, NEU))
     for src, qid, question, paras in qa:
-        val = is_validation(f"{src}:{qid}")
+        val = is_validation(question)
         if val:
             if src == "hotpotqa":
                 sets.rerank_val.append({"question": question, "paragraphs": [f"{t}\n{x}" for t, x, _ in paras],
@@ -121,7 +124,8 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0) -
     if max_train_pairs:
         sets.nli_train = sets.nli_train[:max_train_pairs]
         sets.rerank_train = sets.rerank_train[:max_train_pairs]
-    sets.split = {"rule": "sha256('<dataset>:<id>') % 100 < 20 -> validation", "validation_percent": 20,
+    sets.split = {"rule": "sha256(normalized claim or question text) % 100 < 20 -> validation",
+                  "validation_percent": 20,
                   "nli_train": len(sets.nli_train), "nli_val": len(sets.nli_val),
                   "rerank_train": len(sets.rerank_train), "rerank_val_questions": len(sets.rerank_val)}
     return sets

@@ -41,7 +41,7 @@ def test_split_keeps_validation_out_of_training(shared_data):
     assert not val_claims & {q for q, _, _ in sets.rerank_train}
     val_q = {q["question"] for q in sets.rerank_val}
     assert val_q and not val_q & {h for _, h, _ in sets.nli_train}
-    assert is_validation("fever:1") == is_validation("fever:1")      # stable
+    assert is_validation("A  claim.") == is_validation("a claim.")      # normalized, stable
 
 
 def test_manifest_is_traceable(small_offline):
