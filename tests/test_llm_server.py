@@ -33,14 +33,17 @@ def _gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     model = _gguf()
+    # the server logs a lot: a file, not a pipe (a full pipe would block it)
+    log_path = tmp_path_factory.mktemp("llama") / "server.log"
+    log = open(log_path, "wb")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(model),
                              "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -50,7 +53,7 @@ def server():
                 break
         except OSError:
             if proc.poll() is not None:
-                pytest.fail(proc.stderr.read().decode()[-2000:])
+                pytest.fail(log_path.read_text(errors="replace")[-2000:])
             time.sleep(0.5)
     else:
         proc.kill()
@@ -61,6 +64,7 @@ def server():
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+    log.close()
 
 
 def test_fever_claims_through_a_real_server(server, tiny_models, shared_data, tmp_path):
