@@ -35,13 +35,20 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _import_export():
-    """The export package, or MissingExtraError with the pip command that fixes it."""
-    try:
-        import optimum.exporters.onnx  # noqa: F401
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as exc:
-        raise MissingExtraError("export", exc.name or str(exc), EXPORT_PIP) from None
+    """The export package, or MissingExtraError with the pip command that fixes it.
+
+    Looks the heavy packages up without importing them here: the runtime never
+    imports torch / transformers / optimum; only `export/` does, when it runs.
+    """
+    import importlib.util
+
+    for name in ("torch", "transformers", "optimum.exporters.onnx"):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise MissingExtraError("export", name, EXPORT_PIP)
     import export.build
 
     return export.build
