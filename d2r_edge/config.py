@@ -8,6 +8,19 @@ from dataclasses import dataclass
 from d2r_edge.errors import ConfigError
 
 
+def coerce_enum(obj, name: str, enum_type) -> None:
+    """In a frozen dataclass's __post_init__: accept the enum's value string too."""
+    value = getattr(obj, name)
+    if isinstance(value, enum_type):
+        return
+    try:
+        object.__setattr__(obj, name, enum_type(value))
+    except ValueError:
+        raise ConfigError(
+            f"{name} must be one of {[e.value for e in enum_type]}, got {value!r}"
+        ) from None
+
+
 def _positive(name: str, value: object, *, allow_zero: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {type(value).__name__}")

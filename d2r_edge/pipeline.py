@@ -56,14 +56,14 @@ class Pipeline:
     refresh: Callable[[], int] | None = None    # the refresh arm's source; returns docs added
     default: PipelineConfig = field(default_factory=PipelineConfig)
 
-    def attempt(self, query: str, cfg: PipelineConfig) -> Attempt:
+    def attempt(self, query: str, cfg: PipelineConfig, query_vec: np.ndarray | None = None) -> Attempt:
         t = {}
         t0 = time.perf_counter()
         if cfg.refresh and self.refresh is not None:
             t["refresh_docs"] = float(self.refresh())
         t["refresh_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        passages = self.retriever.retrieve(query, cfg.retrieval)
+        passages = self.retriever.retrieve(query, cfg.retrieval, query_vec)
         t["retrieve_s"] = time.perf_counter() - t0
         texts = [p.text for p in passages]
         t0 = time.perf_counter()
@@ -77,11 +77,12 @@ class Pipeline:
     def run(self, query: str, learn: bool) -> dict:
         """Answer one query with at most one repair (Alg. 2 l.6-15); returns the record."""
         t_start = time.perf_counter()
-        first = self.attempt(query, self.default)
+        q_vec = self.retriever.embed(query)   # once: both attempts and the context vector use it
+        first = self.attempt(query, self.default, q_vec)
         rec = {"first": first.summary(), "failure": first.diagnosis.failure.value, "repair": None}
         final = first
         if first.diagnosis.failure is not FailureType.NO_FAILURE:
-            rec["repair"], final = self._repair(query, first, learn, time.perf_counter() - t_start)
+            rec["repair"], final = self._repair(query, q_vec, first, learn, time.perf_counter() - t_start)
         rec["final"] = final.summary()
         rec["final_answer"] = self._answer(final)
         rec["first_answer"] = self._answer(first)
@@ -93,10 +94,10 @@ class Pipeline:
             return (a.diagnosis.gated_label or Label.NOT_ENOUGH_INFO).value
         return a.generation.response
 
-    def _repair(self, query: str, first: Attempt, learn: bool, spent_s: float) -> tuple[dict, Attempt]:
+    def _repair(self, query: str, q_vec: np.ndarray, first: Attempt, learn: bool,
+                spent_s: float) -> tuple[dict, Attempt]:
         t0 = time.perf_counter()
         d = first.diagnosis
-        q_vec = self.retriever.embedder.encode([query])[0]
         remaining_s = max(0.0, self.budget.latency_s - spent_s)
         x = self.context.build(q_vec, d.failure, d.kg, d.e_q, d.e_r, remaining_s,
                                self.budget.device_mem_mib, self.budget)
@@ -110,7 +111,7 @@ class Pipeline:
         policy_s = time.perf_counter() - t0
         cfg = ARMS[arm].apply(self.default)
         with self.meter.measure() as m:
-            second = self.attempt(query, cfg)
+            second = self.attempt(query, cfg, q_vec)
         cost = m.result
         d2 = second.diagnosis
         r = reward(no_failure=d2.failure is FailureType.NO_FAILURE,

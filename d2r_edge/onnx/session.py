@@ -15,6 +15,7 @@ from enum import Enum
 from functools import lru_cache
 from pathlib import Path
 
+from d2r_edge.config import coerce_enum
 from d2r_edge.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -35,13 +36,7 @@ class SessionConfig:
     cuda_device_id: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.device, Device):
-            try:
-                object.__setattr__(self, "device", Device(self.device))
-            except ValueError:
-                raise ConfigError(
-                    f"device must be one of {[d.value for d in Device]}, got {self.device!r}"
-                ) from None
+        coerce_enum(self, "device", Device)
         if not isinstance(self.intra_op_threads, int) or self.intra_op_threads < 0:
             raise ConfigError(f"intra_op_threads must be an int >= 0, got {self.intra_op_threads!r}")
 

@@ -42,15 +42,14 @@ class Explorer:
     def decide(self, policy, x, allowed=None) -> Decision:
         mask = check_allowed(allowed, self.is_retrieval.shape[0])
         weights = exploration_weights(self.is_retrieval, mask, self.cfg)
-        if hasattr(policy, "choice_probabilities"):   # stochastic policies (TS)
-            greedy_probs = policy.choice_probabilities(mask)
-        else:
-            greedy_probs = None
+        stochastic = hasattr(policy, "choice_probabilities")   # TS draws on every select
+        greedy_probs = policy.choice_probabilities(mask) if stochastic else None
+        greedy = None if stochastic else policy.select(x, mask)
         explored = self.cfg.rate > 0 and self.rng.random() < self.cfg.rate
-        arm = int(self.rng.choice(len(weights), p=weights)) if explored else policy.select(x, mask)
-        if greedy_probs is None:
-            greedy_p = 1.0 if arm == policy.select(x, mask) else 0.0
+        if explored:
+            arm = int(self.rng.choice(len(weights), p=weights))
         else:
-            greedy_p = float(greedy_probs[arm])
+            arm = policy.select(x, mask) if stochastic else greedy
+        greedy_p = float(greedy_probs[arm]) if stochastic else float(arm == greedy)
         propensity = self.cfg.rate * float(weights[arm]) + (1 - self.cfg.rate) * greedy_p
         return Decision(arm=arm, propensity=propensity, explored=explored)

@@ -187,8 +187,7 @@ class KnowledgeBase:
         vectors = cls._embed_resumable(embedder, chunks, work / "shards", cfg.shard_chunks)
         kb = cls._assemble(work, chunks, vectors, report.documents, fingerprint, cfg, version=1,
                            created=time.time())
-        for name in ("plan.json",):
-            (work / name).unlink()
+        (work / "plan.json").unlink()
         shutil.rmtree(work / "shards")
         _swap_in(work, directory)
         kb.directory = directory

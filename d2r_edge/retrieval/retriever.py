@@ -7,6 +7,7 @@ from enum import Enum
 
 import numpy as np
 
+from d2r_edge.config import coerce_enum
 from d2r_edge.errors import ConfigError
 
 
@@ -25,11 +26,7 @@ class RetrievalConfig:
     rerank_top_n: int = 3
 
     def __post_init__(self) -> None:
-        if not isinstance(self.kind, RetrieverKind):
-            try:
-                object.__setattr__(self, "kind", RetrieverKind(self.kind))
-            except ValueError:
-                raise ConfigError(f"retriever kind must be dense or bm25, got {self.kind!r}") from None
+        coerce_enum(self, "kind", RetrieverKind)
         if not isinstance(self.top_k, int) or self.top_k < 1:
             raise ConfigError(f"top_k must be an int >= 1, got {self.top_k!r}")
         if not isinstance(self.rerank_top_n, int) or self.rerank_top_n < 1:
@@ -52,14 +49,21 @@ class Retriever:
     def __init__(self, kb, embedder, reranker=None) -> None:
         self.kb, self.embedder, self.reranker = kb, embedder, reranker
 
-    def candidates(self, query: str, cfg: RetrievalConfig) -> tuple[np.ndarray, np.ndarray]:
+    def embed(self, query: str) -> np.ndarray:
+        return self.embedder.encode([query])[0]
+
+    def candidates(self, query: str, cfg: RetrievalConfig,
+                   query_vec: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         if cfg.kind is RetrieverKind.BM25:
             return self.kb.bm25.top_k(query, cfg.top_k)
-        ids, sims = self.kb.dense.search(self.embedder.encode([query]), cfg.top_k)
+        vec = self.embed(query) if query_vec is None else query_vec
+        ids, sims = self.kb.dense.search(vec, cfg.top_k)
         return ids[0], sims[0]
 
-    def retrieve(self, query: str, cfg: RetrievalConfig = RetrievalConfig()) -> list[Passage]:
-        ids, scores = self.candidates(query, cfg)
+    def retrieve(self, query: str, cfg: RetrievalConfig = RetrievalConfig(),
+                 query_vec: np.ndarray | None = None) -> list[Passage]:
+        """Passages for `query`; pass `query_vec` when the caller already embedded it."""
+        ids, scores = self.candidates(query, cfg, query_vec)
         chunks = [self.kb.chunks[int(i)] for i in ids]
         if cfg.rerank and chunks:
             if self.reranker is None:
