@@ -1,7 +1,7 @@
 """The loop's own overhead: everything but model calls, retrieval and the generator.
 
-Per query, overhead = total time - the stage times of each attempt (refresh,
-retrieve, generate, diagnose). It covers the context vector, cost masking,
+Per query, overhead = total time - the stage times of each attempt (query
+embedding, refresh, retrieve, generate, diagnose). It covers the context vector, cost masking,
 policy select/update, metering set-up and record assembly. The NLI is a
 deterministic hash stand-in so failures, and so repairs, occur.
 """
@@ -19,7 +19,7 @@ from benchmarks.conftest import EXTRA, RESULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
-STAGES = ("refresh_s", "retrieve_s", "generate_s", "diagnose_s")
+STAGES = ("embed_query_s", "refresh_s", "retrieve_s", "generate_s", "diagnose_s")
 
 
 class HashNLI:

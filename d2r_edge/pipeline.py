@@ -78,7 +78,9 @@ class Pipeline:
         """Answer one query with at most one repair (Alg. 2 l.6-15); returns the record."""
         t_start = time.perf_counter()
         q_vec = self.retriever.embed(query)   # once: both attempts and the context vector use it
+        embed_s = time.perf_counter() - t_start
         first = self.attempt(query, self.default, q_vec)
+        first.timings_s["embed_query_s"] = embed_s
         rec = {"first": first.summary(), "failure": first.diagnosis.failure.value, "repair": None}
         final = first
         if first.diagnosis.failure is not FailureType.NO_FAILURE:
