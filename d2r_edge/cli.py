@@ -57,7 +57,8 @@ def _import_export():
 def _finetune_settings(args: argparse.Namespace):
     from export.finetune import FinetuneSettings
 
-    return FinetuneSettings(epochs=args.epochs, max_train_pairs=args.max_train_pairs, seed=args.seed)
+    epochs = {} if args.epochs is None else {"nli_epochs": args.epochs, "rerank_epochs": args.epochs}
+    return FinetuneSettings(max_train_pairs=args.max_train_pairs, seed=args.seed, nli_bf16=args.bf16, **epochs)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -232,7 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of random-weight models")
     p.add_argument("--max-train-pairs", type=int, default=None,
                    help="fine-tuned roles (offline profile): train on at most N pairs (quick runs)")
-    p.add_argument("--epochs", type=int, default=2, help="fine-tuned roles: passes over the pairs")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="fine-tuned roles: passes over the data (default: NLI 3, reranker 2)")
+    p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                   help="offline NLI: bfloat16 autocast while fine-tuning (auto: where the CPU has "
+                        "avx512_bf16/AMX, ~1.5x faster steps; the reranker always trains in fp32)")
     p.add_argument("--random-init", default=None, metavar="CONFIG",
                    help="export only a real-size random model (deberta-v3-base, bart-large, ...)")
     p.set_defaults(func=cmd_export)

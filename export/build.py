@@ -85,6 +85,9 @@ def _tools() -> dict[str, str]:
     return out
 
 
+CALIBRATION_PAIRS = 256      # pairs that choose the int8 mixed-precision tier
+
+
 def _file_entry(path: Path, root: Path) -> tuple[str, dict]:
     return str(path.relative_to(root)), {"sha256": sha256_file(path), "size_bytes": path.stat().st_size}
 
@@ -142,7 +145,7 @@ def export_role(role: Role, src: ResolvedSource, root: Path, variants: tuple[Var
         (role_dir / "int8").mkdir()
         counts = {p.name: convert.quantize_int8(p, role_dir / "int8" / p.name, preset) for p in fp32}
         quant = {"preset": preset.name, "per_channel": True, "reduce_range": preset.reduce_range,
-                 "weight_type": "QInt8", "quantized_nodes": counts}
+                 "weight_type": "QInt8", "quantized_nodes": counts, "keep_fp32": convert.INT8_TIERS[0].name}
     if Variant.FP16 in variants:
         (role_dir / "fp16").mkdir()
         for p in fp32:
@@ -177,6 +180,56 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _int8_agreement(manifest_dir: Path, role: Role, pairs: list[tuple[str, str]]) -> float:
+    """int8 vs fp32 through the runtime: label agreement (NLI), pairwise order agreement (reranker)."""
+    import numpy as np
+
+    loaded = load_manifest(manifest_dir)
+    cls = parity._ENCODERS[role]
+    runs = {v: cls(loaded, variant=v, session=parity.CPU, allow_random_weights=True)
+            for v in (Variant.FP32, Variant.INT8)}
+    if role is Role.NLI:
+        a, b = (runs[v].score(pairs).argmax(axis=1) for v in (Variant.FP32, Variant.INT8))
+        return float(np.mean(a == b))
+    a, b = (runs[v].score_pairs([(q, p) for p, q in pairs]) for v in (Variant.FP32, Variant.INT8))
+    i, j = np.triu_indices(len(a), k=1)
+    return float(np.mean(np.sign(a[i] - a[j]) == np.sign(b[i] - b[j])))
+
+
+def settle_int8(work: Path, manifest: dict, role: Role, pairs: list[tuple[str, str]]) -> None:
+    """Keep the cheapest mixed-precision tier whose int8 agrees with fp32 on `pairs` >= the target.
+
+    Tiers (convert.INT8_TIERS) move the most range-sensitive MatMuls back to
+    fp32 one group at a time. The pairs are parity pairs outside the held-out
+    split, so the choice never sees the validation data. If no tier reaches
+    the target the last one stays, and the manifest says so.
+    """
+    spec, entry = SPECS[role], manifest["roles"][role.value]
+    quant = entry["variants"][Variant.INT8.value]["quantization"]
+    role_dir = work / role.value
+    tried = {}
+    for tier in convert.INT8_TIERS:
+        if tier.name != quant["keep_fp32"]:
+            preset = convert.PRESETS[quant["preset"]]
+            quant["quantized_nodes"] = {
+                p.name: convert.quantize_int8(p, role_dir / "int8" / p.name, preset, tier)
+                for p in sorted((role_dir / "fp32").glob("*.onnx"))}
+            quant["keep_fp32"] = tier.name
+            entry["variants"][Variant.INT8.value]["files"] = dict(
+                _file_entry(p, role_dir) for p in sorted((role_dir / "int8").iterdir()))
+            _write_json(work / MANIFEST_NAME, manifest)
+        tried[tier.name] = _int8_agreement(work, role, pairs)
+        log.info("int8 %s, fp32 kept for %s: agreement %.4f on %d pairs", role.value, tier.name,
+                 tried[tier.name], len(pairs))
+        if tried[tier.name] >= spec.int8_target_agreement:
+            break
+    # a list, in the order tried (the manifest is written with sorted keys)
+    quant["tier_agreement"] = {"pairs": len(pairs), "target": spec.int8_target_agreement,
+                               "tried": [{"keep_fp32": k, "agreement": v} for k, v in tried.items()],
+                               "reached": tried[quant["keep_fp32"]] >= spec.int8_target_agreement}
+    _write_json(work / MANIFEST_NAME, manifest)
+
+
 def run_export(req: ExportRequest) -> Path:
     """Export every role of a profile; returns the manifest path."""
     if req.random_init:  # one real-size random model; the profile name only names the output
@@ -205,6 +258,10 @@ def run_export(req: ExportRequest) -> Path:
     for role, src in resolved.items():
         manifest["roles"][role.value] = export_role(role, src, work, req.variants)
     _write_json(work / MANIFEST_NAME, manifest)
+    calibration = load_parity_set(req.data_dir, n_pairs=CALIBRATION_PAIRS, skip_heldout=True).pairs
+    for role in resolved:
+        if role in (Role.NLI, Role.RERANKER) and Variant.INT8.value in manifest["roles"][role.value]["variants"]:
+            settle_int8(work, manifest, role, calibration)
     # Parity through the runtime classes, against PyTorch; misses raise ParityError.
     data = load_parity_set(req.data_dir)
     loaded = load_manifest(work)
@@ -222,8 +279,8 @@ def run_export(req: ExportRequest) -> Path:
             from export import finetune_eval
             from export.finetune_data import build_pairs
 
-            sets = build_pairs(Path(req.data_dir or parity.DEFAULT_DATA_DIR), src.training["settings"]["max_train_pairs"],
-                               src.training["settings"]["seed"])
+            ts = src.training["settings"]   # the held-out sets depend on neither
+            sets = build_pairs(Path(req.data_dir or parity.DEFAULT_DATA_DIR), ts["max_train_pairs"], ts["seed"])
             check = finetune_eval.validate_nli if role is Role.NLI else finetune_eval.validate_reranker
             entry = manifest["roles"][role.value]
             entry["training"] = src.training

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,13 +87,36 @@ def count_quantized_nodes(model_path: Path) -> int:
     return walk(onnx.load(str(model_path), load_external_data=False).graph)
 
 
-def quantize_int8(src: Path, dst: Path, preset: QuantPreset) -> int:
+@dataclass(frozen=True)
+class KeepFp32:
+    """A mixed-precision tier: MatMuls whose node names match these patterns stay fp32."""
+
+    name: str
+    patterns: tuple[str, ...] = ()
+
+    def nodes(self, model_path: Path) -> list[str]:
+        import onnx
+
+        graph = onnx.load(str(model_path), load_external_data=False).graph
+        return [n.name for n in graph.node
+                if n.op_type == "MatMul" and any(re.search(p, n.name) for p in self.patterns)]
+
+
+# Tried in order until int8 agrees with fp32 often enough (export.build). Dynamic
+# int8 quantizes activations per tensor; the feed-forward down-projection reads
+# GELU outputs with the widest range, so it is the first to go back to fp32.
+INT8_TIERS = (KeepFp32("none"),
+              KeepFp32("ffn_out", (r"layer\.\d+/output/dense/MatMul$",)),
+              KeepFp32("ffn", (r"layer\.\d+/output/dense/MatMul$", r"layer\.\d+/intermediate/dense/MatMul$")))
+
+
+def quantize_int8(src: Path, dst: Path, preset: QuantPreset, keep: KeepFp32 = INT8_TIERS[0]) -> int:
     """Dynamic int8, per-channel weights; returns the quantized-node count (> 0 or raises)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quantize_dynamic(
         str(src), str(dst), per_channel=True, reduce_range=preset.reduce_range,
-        weight_type=QuantType.QInt8,
+        weight_type=QuantType.QInt8, nodes_to_exclude=keep.nodes(src) if keep.patterns else None,
         # EnableSubgraph: without it the If-branches of a merged decoder stay fp32, silently.
         extra_options={"EnableSubgraph": True, "MatMulConstBOnly": True},
     )

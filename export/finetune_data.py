@@ -5,6 +5,10 @@ the row id: FEVER repeats the same claim under several ids (one per
 annotation), and an id split leaked those duplicates into both sides. So
 validation claims never train anything, hard-negative mining included:
 negatives are mined with BM25 over a pool built from training rows only.
+
+Passages are written the way the runtime's knowledge base stores them,
+``title\\ntext``: a FEVER evidence sentence such as "He was born in 1970."
+only names its subject through the page title.
 """
 
 from __future__ import annotations
@@ -18,7 +22,12 @@ from d2r_edge.retrieval.bm25 import BM25Index
 
 ENT, NEU, CON = 0, 1, 2           # id2label of the offline NLI model
 ID2LABEL = {ENT: "entailment", NEU: "neutral", CON: "contradiction"}
-FILES = ("fever/dev.jsonl", "hotpotqa/dev.jsonl", "musique/dev.jsonl", "2wikimultihopqa/dev.jsonl")
+FILES = ("fever/dev.jsonl", "hotpotqa/dev.jsonl", "musique/dev.jsonl", "2wikimultihopqa/dev.jsonl",
+         "hotpotqa_ircot_subsample/dev.jsonl", "hotpotqa_fullwiki/dev.jsonl")
+# FEVER escapes brackets and colons in page titles
+_TITLE_ESCAPES = {"-LRB-": "(", "-RRB-": ")", "-LSB-": "[", "-RSB-": "]", "-LCB-": "{", "-RCB-": "}",
+                  "-COLON-": ":"}
+RERANK_FEVER_NEGATIVES = 3        # BM25-mined non-gold sentences per FEVER reranker group
 
 
 def is_validation(text: str, percent: int = 20) -> bool:
@@ -26,36 +35,80 @@ def is_validation(text: str, percent: int = 20) -> bool:
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100 < percent
 
 
+def fever_title(page: str) -> str:
+    """'Psych_-LRB-season_2-RRB-' -> 'Psych (season 2)'."""
+    for k, v in _TITLE_ESCAPES.items():
+        page = page.replace(k, v)
+    return page.replace("_", " ")
+
+
+def fever_premise(evidence: list) -> str:
+    """FEVER evidence [(page, line, sentence)] as passages, one 'title\\nsentences' per page."""
+    pages: dict[str, list[str]] = {}
+    for page, _, sentence in evidence:
+        if sentence not in pages.setdefault(page, []):
+            pages[page].append(sentence)
+    return "\n".join(f"{fever_title(p)}\n{' '.join(s)}" for p, s in pages.items())
+
+
 def _rows(path: Path) -> list[dict]:
     with open(path, encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+@dataclass(frozen=True)
+class RerankGroup:
+    """One query with its relevant passages and the irrelevant ones from the same pool."""
+
+    query: str
+    positives: tuple[str, ...]
+    negatives: tuple[str, ...]
 
 
 @dataclass
 class PairSets:
     nli_train: list[tuple[str, str, int]] = field(default_factory=list)
     nli_val: list[tuple[str, str, int]] = field(default_factory=list)       # FEVER only
-    rerank_train: list[tuple[str, str, float]] = field(default_factory=list)
-    rerank_val: list[dict] = field(default_factory=list)   # hotpot: question, paragraphs, gold idx
+    rerank_train: list[RerankGroup] = field(default_factory=list)
+    rerank_val: list[dict] = field(default_factory=list)   # HotpotQA: question, paragraphs, gold idx
     files_sha256: dict[str, str] = field(default_factory=dict)
     split: dict = field(default_factory=dict)
 
 
-def _qa_rows(data: Path) -> list[tuple[str, str, list[tuple[str, str, bool]]]]:
-    """(source, qid, question, [(title, text, supporting)]) across HotpotQA, MuSiQue, 2Wiki."""
+@dataclass(frozen=True)
+class QARow:
+    source: str
+    question: str
+    paragraphs: tuple[tuple[str, str, bool], ...]      # (title, text, supporting)
+
+    def passages(self, supporting: bool | None = None) -> list[str]:
+        return [f"{t}\n{x}" for t, x, s in self.paragraphs if supporting is None or s == supporting]
+
+
+def _qa_rows(data: Path) -> list[QARow]:
+    """Questions with supporting and distractor paragraphs from the multi-hop QA samples."""
     out = []
-    for src, name in (("hotpotqa", "hotpotqa"), ("2wiki", "2wikimultihopqa")):
+    for src, name in (("hotpotqa", "hotpotqa"), ("2wiki", "2wikimultihopqa"),
+                      ("hotpotqa_fullwiki", "hotpotqa_fullwiki")):
         for row in _rows(data / name / "dev.jsonl"):
             support = {t for t, _ in row.get("supporting_facts") or []}
-            paras = [(t, "".join(s), t in support) for t, s in row["context"]]
-            out.append((src, str(row["_id"]), row["question"], paras))
+            paras = tuple((t, "".join(s), t in support) for t, s in row["context"])
+            out.append(QARow(src, row["question"], paras))
     for row in _rows(data / "musique" / "dev.jsonl"):
-        paras = [(p["title"], p["paragraph_text"], bool(p.get("is_supporting"))) for p in row["paragraphs"]]
-        out.append(("musique", str(row["id"]), row["question"], paras))
+        paras = tuple((p["title"], p["paragraph_text"], bool(p.get("is_supporting"))) for p in row["paragraphs"])
+        out.append(QARow("musique", row["question"], paras))
+    for row in _rows(data / "hotpotqa_ircot_subsample" / "dev.jsonl"):
+        paras = tuple((c["title"], c["paragraph_text"], bool(c.get("is_supporting"))) for c in row["contexts"])
+        out.append(QARow("hotpotqa_ircot", row["question_text"], paras))
     return out
 
 
-def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0) -> PairSets:
+def missing_files(data: Path) -> list[str]:
+    return [f for f in FILES if not (data / f).is_file()]
+
+
+def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
+                rerank_fever_groups: int = 400) -> PairSets:
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -67,65 +120,72 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0) -
     pool: list[str] = []
     for row in fever:
         if not is_validation(row["question"]):
-            pool += [s for _, _, s in row.get("derived_evidence_sentences") or []]
-    for src, qid, question, paras in qa:
-        if not is_validation(question):
-            pool += [f"{t}\n{x}" for t, x, _ in paras]
+            pool += [fever_premise([e]) for e in row.get("derived_evidence_sentences") or []]
+    fever_pool = set(pool)
+    for q in qa:
+        if not is_validation(q.question):
+            pool += q.passages()
     pool = list(dict.fromkeys(pool))
-    bm25 = BM25Index()
-    bm25.add(pool)
+    # the reranker's FEVER negatives are FEVER sentences, like its positives: mined from
+    # the mixed pool they were mostly long QA paragraphs, and held-out HotpotQA recall@3
+    # fell from 0.786 to 0.714 (same seed and settings, measured here)
+    sentences = [p for p in pool if p.count("\n") == 1 and p in fever_pool]
+    indexes = {}
+    for name, texts in (("all", pool), ("fever", sentences)):
+        indexes[name] = (texts, BM25Index())
+        indexes[name][1].add(texts)
 
-    def mined(query: str, exclude: set[str], n: int) -> list[str]:
-        ids, _ = bm25.top_k(query, n + len(exclude) + 2)
-        return [pool[i] for i in ids if pool[i] not in exclude][:n]
+    def mined(query: str, exclude: set[str], n: int, among: str = "all") -> list[str]:
+        texts, index = indexes[among]
+        ids, _ = index.top_k(query, n + len(exclude) + 2)
+        return [texts[i] for i in ids if texts[i] not in exclude][:n]
 
+    fever_groups = []
     for row in fever:
         val = is_validation(row["question"])
         claim, label = row["question"], row["label"]
-        evidence = [s for _, _, s in row.get("derived_evidence_sentences") or []]
+        evidence = row.get("derived_evidence_sentences") or []
         target = sets.nli_val if val else sets.nli_train
         if label in ("SUPPORTS", "REFUTES") and evidence:
-            target.append((" ".join(evidence), claim, ENT if label == "SUPPORTS" else CON))
+            target.append((fever_premise(evidence), claim, ENT if label == "SUPPORTS" else CON))
             if not val:
-                for neg in mined(claim, set(evidence), 1):
-                    sets.nli_train.append((neg, claim, NEU))
-                    sets.rerank_train.append((claim, neg, 0.0))
-                for e in evidence:
-                    sets.rerank_train.append((claim, e, 1.0))
+                gold = {fever_premise([e]) for e in evidence}
+                sets.nli_train += [(n, claim, NEU) for n in mined(claim, gold, 1)]
+                negs = mined(claim, gold, RERANK_FEVER_NEGATIVES, among="fever")
+                fever_groups.append(RerankGroup(claim, tuple(sorted(gold)), tuple(negs)))
         elif label == "NOT ENOUGH INFO":
             # premise: the best BM25 passage from the training pool (also for validation
             # rows: the pool holds no validation text, so nothing leaks either way)
-            for p in mined(claim, set(), 1):
-                target.append((p, claim, NEU))
-    for src, qid, question, paras in qa:
-        val = is_validation(question)
-        if val:
-            if src == "hotpotqa":
-                sets.rerank_val.append({"question": question, "paragraphs": [f"{t}\n{x}" for t, x, _ in paras],
-                                        "gold": [i for i, (_, _, s) in enumerate(paras) if s]})
+            target += [(p, claim, NEU) for p in mined(claim, set(), 1)]
+    qa_groups = []
+    for q in qa:
+        pos, neg = q.passages(True), q.passages(False)
+        if is_validation(q.question):
+            if q.source.startswith("hotpotqa") and q.source != "hotpotqa_fullwiki" and pos:
+                sets.rerank_val.append({"question": q.question, "paragraphs": q.passages(),
+                                        "gold": [i for i, p in enumerate(q.paragraphs) if p[2]]})
             continue
-        for t, x, support in paras:
-            premise = f"{t}\n{x}"
-            if support:
-                sets.nli_train.append((premise, question, ENT))
-                sets.rerank_train.append((question, premise, 1.0))
-        distractors = [f"{t}\n{x}" for t, x, s in paras if not s]
-        for i in rng.choice(len(distractors), size=min(2, len(distractors)), replace=False):
-            sets.nli_train.append((distractors[i], question, NEU))
-            sets.rerank_train.append((question, distractors[i], 0.0))
+        if not pos or not neg:
+            continue        # fullwiki rows whose retrieved context misses every gold page
+        qa_groups.append(RerankGroup(q.question, tuple(pos), tuple(neg)))
+        if q.source in ("hotpotqa", "2wiki", "musique"):
+            # "the passage addresses the question" for the query-entailment signal
+            sets.nli_train.append((pos[int(rng.integers(len(pos)))], q.question, ENT))
+            sets.nli_train.append((neg[int(rng.integers(len(neg)))], q.question, NEU))
     # keep neutral from swamping the other classes (mined negatives are plentiful)
     by = {lab: [p for p in sets.nli_train if p[2] == lab] for lab in (ENT, NEU, CON)}
     cap = 2 * max(len(by[ENT]), len(by[CON]))
     sets.nli_train = by[ENT] + by[CON] + [by[NEU][i] for i in rng.permutation(len(by[NEU]))[:cap]]
-    order = rng.permutation(len(sets.nli_train))
-    sets.nli_train = [sets.nli_train[i] for i in order]
-    order = rng.permutation(len(sets.rerank_train))
-    sets.rerank_train = [sets.rerank_train[i] for i in order]
+    sets.nli_train = [sets.nli_train[i] for i in rng.permutation(len(sets.nli_train))]
+    fever_groups = [fever_groups[i] for i in rng.permutation(len(fever_groups))[:rerank_fever_groups]]
+    groups = qa_groups + fever_groups
+    sets.rerank_train = [groups[i] for i in rng.permutation(len(groups))]
     if max_train_pairs:
         sets.nli_train = sets.nli_train[:max_train_pairs]
-        sets.rerank_train = sets.rerank_train[:max_train_pairs]
+        sets.rerank_train = sets.rerank_train[:max(1, max_train_pairs // 8)]
     sets.split = {"rule": "sha256(normalized claim or question text) % 100 < 20 -> validation",
                   "validation_percent": 20,
                   "nli_train": len(sets.nli_train), "nli_val": len(sets.nli_val),
-                  "rerank_train": len(sets.rerank_train), "rerank_val_questions": len(sets.rerank_val)}
+                  "rerank_train_groups": len(sets.rerank_train),
+                  "rerank_val_questions": len(sets.rerank_val)}
     return sets

@@ -71,18 +71,25 @@ def _rank_metrics(scores_per_q: list[np.ndarray], gold: list[list[int]], k: int 
 
 
 def validate_reranker(manifest: Manifest, sets: PairSets) -> dict:
+    """Recall@3 / MRR of the supporting paragraphs among each held-out question's 10."""
     qs = [q for q in sets.rerank_val if q["gold"]]
-    ce = CrossEncoder(manifest, variant=Variant.INT8)
+    ce = {v: CrossEncoder(manifest, variant=v) for v in (Variant.INT8, Variant.FP32)}
     emb = Embedder(manifest, variant=Variant.INT8)
-    cross, bm25s, bienc = [], [], []
+    cross: dict[Variant, list] = {v: [] for v in ce}
+    bm25s, bienc = [], []
     for q in qs:
-        cross.append(ce.score(q["question"], q["paragraphs"]))
+        for v, model in ce.items():
+            cross[v].append(model.score(q["question"], q["paragraphs"]))
         idx = BM25Index()
         idx.add(q["paragraphs"])
         bm25s.append(idx.scores(q["question"]))
-        v = emb.encode([q["question"]] + q["paragraphs"])
-        bienc.append(v[1:] @ v[0])
+        e = emb.encode([q["question"]] + q["paragraphs"])
+        bienc.append(e[1:] @ e[0])
     gold = [q["gold"] for q in qs]
-    return {"heldout_hotpotqa_questions": len(qs), "paragraphs_per_question": 10,
-            "cross_encoder_int8": _rank_metrics(cross, gold), "bm25": _rank_metrics(bm25s, gold),
-            "minilm_bi_encoder": _rank_metrics(bienc, gold)}
+    top3 = [float(np.mean(set(np.argsort(-a)[:3]) == set(np.argsort(-b)[:3])))
+            for a, b in zip(cross[Variant.INT8], cross[Variant.FP32])]
+    return {"heldout_hotpotqa_questions": len(qs), "paragraphs_per_question": sorted({len(q["paragraphs"]) for q in qs}),
+            "cross_encoder_int8": _rank_metrics(cross[Variant.INT8], gold),
+            "cross_encoder_fp32": _rank_metrics(cross[Variant.FP32], gold),
+            "int8_fp32_same_top3": float(np.mean(top3)) if top3 else None,
+            "bm25": _rank_metrics(bm25s, gold), "minilm_bi_encoder": _rank_metrics(bienc, gold)}

@@ -25,7 +25,9 @@ class ParitySet:
     sentences: list[str]
 
 
-def _jsonl(path: Path, limit: int) -> list[dict]:
+def _jsonl(path: Path, limit: int, skip_heldout: bool) -> list[dict]:
+    from export.finetune_data import is_validation
+
     out = []
     with open(path, encoding="utf-8") as fh:
         for line in fh:
@@ -33,20 +35,27 @@ def _jsonl(path: Path, limit: int) -> list[dict]:
                 break
             line = line.strip()
             if line:
-                out.append(json.loads(line))
+                row = json.loads(line)
+                if not (skip_heldout and is_validation(row["question"])):
+                    out.append(row)
     return out
 
 
-def load_parity_set(data_dir: Path | None = None, n_pairs: int = 64) -> ParitySet:
+def load_parity_set(data_dir: Path | None = None, n_pairs: int = 64, skip_heldout: bool = False) -> ParitySet:
+    """Pairs from the first rows of FEVER and HotpotQA.
+
+    skip_heldout: leave out the offline models' held-out claims and questions
+    (for choices made on this set, such as the int8 tier).
+    """
     data_dir = Path(data_dir) if data_dir else DEFAULT_DATA_DIR
     fever, hotpot = data_dir / "fever" / "dev.jsonl", data_dir / "hotpotqa" / "dev.jsonl"
     if fever.is_file() and hotpot.is_file():
         pairs, sentences = [], []
-        for row in _jsonl(fever, n_pairs // 2):
+        for row in _jsonl(fever, n_pairs // 2, skip_heldout):
             evidence = " ".join(row.get("pars") or []) or row["question"]
             pairs.append((evidence, row["question"]))
             sentences += [row["question"], evidence]
-        for row in _jsonl(hotpot, n_pairs // 2):
+        for row in _jsonl(hotpot, n_pairs // 2, skip_heldout):
             title, sents = row["context"][0]
             pairs.append(("".join(sents), row["question"]))
             sentences += [row["question"], "".join(sents)]

@@ -16,7 +16,8 @@ class RoleSpec:
     onnx_files: tuple[str, ...]
     # parity bounds (enforced: a miss raises ParityError)
     fp32_max_abs_diff: float = 1e-4
-    int8_min_label_agreement: float = 0.9
+    int8_min_label_agreement: float = 0.9      # parity bound: below it the export fails
+    int8_target_agreement: float = 0.99        # the int8 tier search stops at the first tier reaching it
     int8_min_cosine: float = 0.985
     fp16_max_abs_diff: float = 5e-2
     default_max_length_tokens: int = 512

@@ -71,3 +71,31 @@ def test_greedy_decoding_is_not_trivial(tiny_models):
                          allow_random_weights=True)
     ids = model.greedy(["The old bridge was designed by two famous architects."], 24)
     assert ids.shape[1] > 5
+
+
+def test_int8_tiers_keep_exactly_the_named_matmuls_fp32(tiny_models, tmp_path):
+    from export.convert import INT8_TIERS, PRESETS, quantize_int8
+
+    fp32 = load_manifest(tiny_models).role(Role.NLI, allow_random_weights=True).variant_paths(
+        Variant.FP32)["model.onnx"]
+    none, ffn_out, ffn = INT8_TIERS
+    assert none.nodes(fp32) == []
+    kept = ffn_out.nodes(fp32)
+    # one feed-forward down-projection per layer, never the attention output projection
+    assert kept and all(n.endswith("/output/dense/MatMul") and "attention" not in n for n in kept)
+    assert set(kept) < set(ffn.nodes(fp32)) and len(ffn.nodes(fp32)) == 2 * len(kept)
+    counts = [quantize_int8(fp32, tmp_path / f"{t.name}.onnx", PRESETS["avx512_vnni"], t) for t in INT8_TIERS]
+    assert counts[0] - counts[1] == len(kept) and counts[0] - counts[2] == 2 * len(kept)
+
+
+def test_int8_tier_search_is_recorded(tiny_models):
+    for role in ("nli", "reranker"):
+        quant = load_manifest(tiny_models).role(Role(role), allow_random_weights=True).raw[
+            "variants"]["int8"]["quantization"]
+        found = quant["tier_agreement"]
+        tried = {t["keep_fp32"]: t["agreement"] for t in found["tried"]}
+        assert quant["keep_fp32"] == found["tried"][-1]["keep_fp32"] and found["target"] == 0.99
+        assert found["tried"][0]["keep_fp32"] == "none"      # the cheapest tier is always tried first
+        assert found["reached"] == (tried[quant["keep_fp32"]] >= 0.99)
+        # it stops at the first tier that reaches the target
+        assert all(a < 0.99 for a in list(tried.values())[:-1])

@@ -25,7 +25,7 @@ def small_offline(tmp_path_factory, shared_data):
     warnings.filterwarnings("ignore")
     logging.getLogger("optimum").setLevel(logging.ERROR)
     out = tmp_path_factory.mktemp("offline")
-    settings = FinetuneSettings(epochs=1, max_train_pairs=256, max_rerank_pairs=256)
+    settings = FinetuneSettings(nli_epochs=1, rerank_epochs=1, max_train_pairs=256)
     path = run_export(ExportRequest("offline", models_dir=out, profiles_file=ROOT / "models" / "profiles.toml",
                                     data_dir=shared_data, variants=(Variant.FP32, Variant.INT8),
                                     finetune=settings))
@@ -38,10 +38,31 @@ def test_split_keeps_validation_out_of_training(shared_data):
     sets = build_pairs(shared_data)
     val_claims = {h for _, h, _ in sets.nli_val}
     assert val_claims and not val_claims & {h for _, h, _ in sets.nli_train}
-    assert not val_claims & {q for q, _, _ in sets.rerank_train}
+    assert not val_claims & {g.query for g in sets.rerank_train}
     val_q = {q["question"] for q in sets.rerank_val}
     assert val_q and not val_q & {h for _, h, _ in sets.nli_train}
+    assert not val_q & {g.query for g in sets.rerank_train}
     assert is_validation("A  claim.") == is_validation("a claim.")      # normalized, stable
+
+
+def test_pairs_carry_titles_and_reranker_groups_are_clean(shared_data):
+    from export.finetune_data import CON, ENT, NEU, build_pairs, fever_premise, fever_title
+
+    assert fever_title("Psych_-LRB-season_2-RRB-") == "Psych (season 2)"
+    premise = fever_premise([["Nikolaj_Coster-Waldau", 7, "He played a detective."],
+                             ["Nikolaj_Coster-Waldau", 8, "He was born in 1970."],
+                             ["Fox_Broadcasting_Company", 0, "Fox is a network."]])
+    assert premise == ("Nikolaj Coster-Waldau\nHe played a detective. He was born in 1970.\n"
+                       "Fox Broadcasting Company\nFox is a network.")
+    sets = build_pairs(shared_data)
+    assert {lab for *_, lab in sets.nli_train} == {ENT, NEU, CON}
+    fever_val = [p for p, _, lab in sets.nli_val if lab != NEU]
+    assert all("\n" in p for p in fever_val)              # every gold premise names its page
+    assert all(g.positives and g.negatives and not set(g.positives) & set(g.negatives)
+               for g in sets.rerank_train)
+    sources = {len(g.negatives) for g in sets.rerank_train}
+    assert max(sources) >= 8                               # QA distractor sets, not only FEVER
+    assert all(len(q["gold"]) == 2 for q in sets.rerank_val)   # HotpotQA: two supporting paragraphs
 
 
 def test_manifest_is_traceable(small_offline):
