@@ -181,19 +181,11 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _int8_agreement(manifest_dir: Path, role: Role, pairs: list[tuple[str, str]]) -> float:
-    """int8 vs fp32 through the runtime: label agreement (NLI), pairwise order agreement (reranker)."""
-    import numpy as np
-
+    """int8 vs fp32 through the runtime classes (parity.agreement_vs_fp32)."""
     loaded = load_manifest(manifest_dir)
-    cls = parity._ENCODERS[role]
-    runs = {v: cls(loaded, variant=v, session=parity.CPU, allow_random_weights=True)
-            for v in (Variant.FP32, Variant.INT8)}
-    if role is Role.NLI:
-        a, b = (runs[v].score(pairs).argmax(axis=1) for v in (Variant.FP32, Variant.INT8))
-        return float(np.mean(a == b))
-    a, b = (runs[v].score_pairs([(q, p) for p, q in pairs]) for v in (Variant.FP32, Variant.INT8))
-    i, j = np.triu_indices(len(a), k=1)
-    return float(np.mean(np.sign(a[i] - a[j]) == np.sign(b[i] - b[j])))
+    fp32, int8 = (parity._ENCODERS[role](loaded, variant=v, session=parity.CPU, allow_random_weights=True)
+                  for v in (Variant.FP32, Variant.INT8))
+    return parity.agreement_vs_fp32(role, fp32, int8, pairs)
 
 
 def settle_int8(work: Path, manifest: dict, role: Role, pairs: list[tuple[str, str]]) -> None:

@@ -53,12 +53,12 @@ class FinetuneSettings:
 
     def for_role(self, role: str) -> dict:
         """The settings that shape `role`'s training (its cache key)."""
-        mine = "nli_" if role == "nli" else "rerank_"
         other = "rerank_" if role == "nli" else "nli_"
         out = {k: v for k, v in asdict(self).items() if not k.startswith(other)}
         if role != "nli":
-            out.pop("batch_size")
-        return {**out, **({"nli_bf16_used": self.use_bf16()} if mine == "nli_" else {})}
+            out.pop("batch_size")            # NLI pairs per step
+            return out
+        return {**out, "nli_bf16_used": self.use_bf16()}
 
     def use_bf16(self) -> bool:
         if self.nli_bf16 != "auto":

@@ -56,6 +56,18 @@ def _fail(role: Role, what: str, got: float, bound: float) -> None:
     )
 
 
+def agreement_vs_fp32(role: Role, fp32, other, pairs: list[tuple[str, str]]) -> float:
+    """Label agreement (NLI) or pairwise order agreement (reranker) of `other` with `fp32`.
+
+    pairs are (passage, question); the reranker scores them as (question, passage).
+    """
+    if role is Role.NLI:
+        return float(np.mean(fp32.score(pairs).argmax(axis=1) == other.score(pairs).argmax(axis=1)))
+    a, b = (m.score_pairs([(q, p) for p, q in pairs]) for m in (fp32, other))
+    i, j = np.triu_indices(len(a), k=1)
+    return float(np.mean(np.sign(a[i] - a[j]) == np.sign(b[i] - b[j])))
+
+
 def encoder_parity(manifest: Manifest, role: Role, spec: RoleSpec, checkpoint: Path,
                    data: ParitySet, variants: list[Variant]) -> dict:
     model = _load_torch(role, checkpoint)
@@ -89,22 +101,18 @@ def encoder_parity(manifest: Manifest, role: Role, spec: RoleSpec, checkpoint: P
         figures[v.value] = fig
     # label/ranking agreement of low-precision variants with fp32, via the public API
     if role is Role.NLI:
-        base = ref.score(data.pairs).argmax(axis=1)
         for v in variants:
             if v is Variant.FP32:
                 continue
-            agree = float(np.mean(runs[v].score(data.pairs).argmax(axis=1) == base))
+            agree = agreement_vs_fp32(role, ref, runs[v], data.pairs)
             figures[v.value]["label_agreement_vs_fp32"] = agree
             if agree < spec.int8_min_label_agreement:
                 _fail(role, f"{v.value} label agreement vs fp32", agree, spec.int8_min_label_agreement)
     elif role is Role.RERANKER:
-        base = ref.score_pairs([(q, p) for p, q in data.pairs])
         for v in variants:
             if v is Variant.FP32:
                 continue
-            other = runs[v].score_pairs([(q, p) for p, q in data.pairs])
-            i, j = np.triu_indices(len(base), k=1)
-            concord = float(np.mean(np.sign(base[i] - base[j]) == np.sign(other[i] - other[j])))
+            concord = agreement_vs_fp32(role, ref, runs[v], data.pairs)
             figures[v.value]["pairwise_order_agreement_vs_fp32"] = concord
             if concord < spec.int8_min_label_agreement:
                 _fail(role, f"{v.value} pairwise order agreement", concord, spec.int8_min_label_agreement)
