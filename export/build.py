@@ -251,9 +251,17 @@ def run_export(req: ExportRequest) -> Path:
         manifest["roles"][role.value] = export_role(role, src, work, req.variants)
     _write_json(work / MANIFEST_NAME, manifest)
     calibration = load_parity_set(req.data_dir, n_pairs=CALIBRATION_PAIRS, skip_heldout=True).pairs
-    for role in resolved:
-        if role in (Role.NLI, Role.RERANKER) and Variant.INT8.value in manifest["roles"][role.value]["variants"]:
-            settle_int8(work, manifest, role, calibration)
+    for role, src in resolved.items():
+        if role not in (Role.NLI, Role.RERANKER) or Variant.INT8.value not in manifest["roles"][role.value]["variants"]:
+            continue
+        if src.random_weights:
+            # a random head's logits nearly tie, so int8 noise flips its labels whatever the
+            # tier: agreement says nothing, and the search would only move MatMuls back to
+            # fp32 and make the cost benchmarks measure a model nobody ships
+            quant = manifest["roles"][role.value]["variants"][Variant.INT8.value]["quantization"]
+            quant["tier_agreement"] = {"skipped": "random weights: labels are noise, all MatMuls stay int8"}
+            continue
+        settle_int8(work, manifest, role, calibration)
     # Parity through the runtime classes, against PyTorch; misses raise ParityError.
     data = load_parity_set(req.data_dir)
     loaded = load_manifest(work)

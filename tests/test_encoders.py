@@ -47,6 +47,18 @@ def test_nli_labels_follow_id2label(tiny_models):
     assert nli.entry.label_index("Contradiction") == 2
 
 
+def test_cpu_token_budget_is_per_kind_of_input(tiny_models):
+    """Pair encoders batch in 256 tokens on a CPU, the embedder in 512; an explicit budget wins."""
+    from d2r_edge.onnx.session import Device, SessionConfig
+
+    cpu, m = SessionConfig(device=Device.CPU), load_manifest(tiny_models)
+    assert NLI(m, session=cpu, allow_random_weights=True).batch.max_batch_tokens == 256
+    assert CrossEncoder(m, session=cpu, allow_random_weights=True).batch.max_batch_tokens == 256
+    assert Embedder(m, session=cpu).batch.max_batch_tokens == 512
+    mine = BatchConfig(max_batch_tokens=4096)
+    assert NLI(m, session=cpu, batch=mine, allow_random_weights=True).batch.max_batch_tokens == 4096
+
+
 def test_real_minilm_similarity_is_meaningful(tiny_models):
     emb = Embedder(load_manifest(tiny_models))
     v = emb.encode(["A cat sits on the mat.", "A kitten is sitting on a rug.",

@@ -88,14 +88,34 @@ def test_int8_tiers_keep_exactly_the_named_matmuls_fp32(tiny_models, tmp_path):
     assert counts[0] - counts[1] == len(kept) and counts[0] - counts[2] == 2 * len(kept)
 
 
-def test_int8_tier_search_is_recorded(tiny_models):
-    for role in ("nli", "reranker"):
-        quant = load_manifest(tiny_models).role(Role(role), allow_random_weights=True).raw[
-            "variants"]["int8"]["quantization"]
-        found = quant["tier_agreement"]
-        tried = {t["keep_fp32"]: t["agreement"] for t in found["tried"]}
-        assert quant["keep_fp32"] == found["tried"][-1]["keep_fp32"] and found["target"] == 0.99
-        assert found["tried"][0]["keep_fp32"] == "none"      # the cheapest tier is always tried first
-        assert found["reached"] == (tried[quant["keep_fp32"]] >= 0.99)
-        # it stops at the first tier that reaches the target
-        assert all(a < 0.99 for a in list(tried.values())[:-1])
+def test_int8_tier_search_is_skipped_for_random_weights(tiny_models):
+    """A random head's labels are noise; the search would only slow the models benchmarks time."""
+    for role in (Role.NLI, Role.RERANKER):
+        entry = load_manifest(tiny_models).role(role, allow_random_weights=True)
+        quant = entry.raw["variants"]["int8"]["quantization"]
+        assert quant["keep_fp32"] == "none" and "random weights" in quant["tier_agreement"]["skipped"]
+        assert count_quantized_nodes(entry.variant_paths(Variant.INT8)["model.onnx"]) == \
+            quant["quantized_nodes"]["model.onnx"]
+
+
+def test_int8_tier_search_stops_at_the_first_tier_reaching_the_target(tiny_models, tmp_path, shared_data):
+    import shutil
+
+    from export.build import settle_int8
+    from export.parity_data import load_parity_set
+
+    work = tmp_path / "tiny"
+    shutil.copytree(tiny_models, work)
+    manifest = json.loads((work / "manifest.json").read_text())
+    pairs = load_parity_set(shared_data, n_pairs=64, skip_heldout=True).pairs
+    settle_int8(work, manifest, Role.NLI, pairs)
+    quant = json.loads((work / "manifest.json").read_text())["roles"]["nli"]["variants"]["int8"]["quantization"]
+    found = quant["tier_agreement"]
+    tried = {t["keep_fp32"]: t["agreement"] for t in found["tried"]}
+    assert quant["keep_fp32"] == found["tried"][-1]["keep_fp32"] and found["target"] == 0.99
+    assert found["tried"][0]["keep_fp32"] == "none"      # the cheapest tier is always tried first
+    assert found["reached"] == (tried[quant["keep_fp32"]] >= 0.99)
+    assert all(a < 0.99 for a in list(tried.values())[:-1])
+    # the files on disk are the tier the manifest names, and their hashes were rewritten
+    int8 = load_manifest(work).role(Role.NLI, allow_random_weights=True).variant_paths(Variant.INT8)
+    assert count_quantized_nodes(int8["model.onnx"]) == quant["quantized_nodes"]["model.onnx"]

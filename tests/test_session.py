@@ -48,3 +48,27 @@ def test_bad_session_config():
     with pytest.raises(ConfigError):
         SessionConfig(intra_op_threads=-1)
     assert SessionConfig(device="cpu").device is Device.CPU
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"cpu.max": "max 100000\n"}, None),                                 # v2, unlimited
+    ({"cpu.max": "200000 100000\n"}, 2),                                 # v2, --cpus=2
+    ({"cpu.max": "150000 100000\n"}, 2),                                 # 1.5 CPUs -> 2 threads
+    ({"cpu/cpu.cfs_quota_us": "100000", "cpu/cpu.cfs_period_us": "100000"}, 1),   # v1
+    ({"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
+    ({"cpu.max": "garbage"}, None),
+    ({}, None),
+])
+def test_cgroup_quota_caps_threads(tmp_path, files, expected):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert sess._cgroup_cpu_quota(tmp_path) == expected
+
+
+def test_threads_follow_the_quota_not_the_host(monkeypatch):
+    monkeypatch.setattr(sess.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(sess, "_cgroup_cpu_quota", lambda: 2)
+    assert sess.usable_cores() == 2
+    monkeypatch.setattr(sess, "_cgroup_cpu_quota", lambda: None)
+    assert sess.usable_cores() == 64

@@ -20,12 +20,16 @@ from d2r_edge.onnx.session import SessionConfig, on_cuda, open_session, run
 log = logging.getLogger(__name__)
 
 
-# Measured on a 2-core AVX-512 CPU (20 NLI pairs of 64-333 tokens, deberta-v3-base
-# int8): a 256-token budget ran in 1.59 s, 512 in 1.74 s, 1024 in 1.99 s, one
-# unbounded batch in 5.06 s; MiniLM embedding was fastest at 512-1024. Big
-# batches spill the attention intermediates out of cache on a CPU; a GPU wants
-# them big.
+# Measured on 2-core AVX-512 CPUs (20 NLI pairs of 64-333 tokens, deberta-v3-base
+# int8). Session 1: a 256-token budget ran in 1.59 s, 512 in 1.74 s, 1024 in
+# 1.99 s, one unbounded batch in 5.06 s. Another machine later: one pair per run
+# 1.21 s, 256 1.20 s, 384 1.26 s, 512 1.36 s, 1024 1.37 s. So pair encoders
+# (long passage + claim inputs, attention cost grows with the square of the
+# padded length) batch in 256 tokens; MiniLM embedding of short chunks was
+# fastest at 512-1024. Big batches spill the attention intermediates out of
+# cache on a CPU; a GPU wants them big.
 CPU_BATCH_TOKENS = 512
+CPU_PAIR_BATCH_TOKENS = 256
 CUDA_BATCH_TOKENS = 8192
 
 
@@ -40,10 +44,10 @@ class BatchConfig:
         if (self.max_batch_tokens is not None and self.max_batch_tokens < 1) or self.max_batch_rows < 1:
             raise ConfigError("max_batch_tokens (or None) and max_batch_rows must be >= 1")
 
-    def for_session(self, session) -> "BatchConfig":
+    def for_session(self, session, cpu_tokens: int = CPU_BATCH_TOKENS) -> "BatchConfig":
         if self.max_batch_tokens is not None:
             return self
-        tokens = CUDA_BATCH_TOKENS if on_cuda(session) else CPU_BATCH_TOKENS
+        tokens = CUDA_BATCH_TOKENS if on_cuda(session) else cpu_tokens
         return BatchConfig(max_batch_tokens=tokens, max_batch_rows=self.max_batch_rows)
 
 
@@ -93,6 +97,7 @@ class _Encoder:
     """Shared plumbing: one session, one tokenizer, feeds named by the model."""
 
     role: Role
+    cpu_batch_tokens: int = CPU_BATCH_TOKENS
 
     def __init__(self, manifest: Manifest, *, variant: Variant = Variant.INT8,
                  session: SessionConfig = SessionConfig(), batch: BatchConfig = BatchConfig(),
@@ -104,7 +109,7 @@ class _Encoder:
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.tokenizer = load_tokenizer(self.entry)
-        self.batch = batch.for_session(self.session)
+        self.batch = batch.for_session(self.session, self.cpu_batch_tokens)
         self.pad_id = self._pad_id()
 
     def _pad_id(self) -> int:
@@ -172,6 +177,7 @@ class NLI(_Encoder):
     """3-way NLI cross-encoder; labels come from the manifest's `id2label`."""
 
     role = Role.NLI
+    cpu_batch_tokens = CPU_PAIR_BATCH_TOKENS
 
     @property
     def labels(self) -> list[str]:
@@ -203,6 +209,7 @@ class CrossEncoder(_Encoder):
     """1-logit relevance cross-encoder over (query, passage)."""
 
     role = Role.RERANKER
+    cpu_batch_tokens = CPU_PAIR_BATCH_TOKENS
 
     def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
         pairs = list(pairs)

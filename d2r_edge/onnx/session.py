@@ -29,7 +29,7 @@ class Device(str, Enum):
 
 @dataclass(frozen=True)
 class SessionConfig:
-    """How sessions are opened. `intra_op_threads=0` means one per core."""
+    """How sessions are opened. `intra_op_threads=0` means one per usable core (`usable_cores`)."""
 
     device: Device = Device.AUTO
     intra_op_threads: int = 0
@@ -39,6 +39,34 @@ class SessionConfig:
         coerce_enum(self, "device", Device)
         if not isinstance(self.intra_op_threads, int) or self.intra_op_threads < 0:
             raise ConfigError(f"intra_op_threads must be an int >= 0, got {self.intra_op_threads!r}")
+
+
+def usable_cores() -> int:
+    """CPUs this process may really use: its affinity mask, capped by a cgroup CPU quota.
+
+    `os.cpu_count()` is the host's count; in a container limited by quota
+    (docker --cpus, Kubernetes limits) it can be 64 where 2 are paid for, and
+    one ORT thread per host core then oversubscribes the quota.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cores, quota)) if quota else max(1, cores)
+
+
+def _cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """ceil(quota / period) from cgroup v2 `cpu.max` or v1 `cpu.cfs_quota_us`; None if unlimited."""
+    try:
+        if (root / "cpu.max").is_file():
+            quota, period = (root / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else -(-int(quota) // int(period))
+        v1 = root / "cpu" / "cpu.cfs_quota_us"
+        if v1.is_file():
+            quota = int(v1.read_text())
+            period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+            return None if quota <= 0 else -(-quota // period)
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _ort():
@@ -89,7 +117,7 @@ def _providers(device: Device, cfg: SessionConfig) -> list:
     return ["CPUExecutionProvider"]
 
 
-_logged_choice: set[str] = set()
+_logged_choice: set[tuple[str, int]] = set()
 
 
 def on_cuda(session) -> bool:
@@ -118,12 +146,13 @@ def open_session(path: Path | str, cfg: SessionConfig = SessionConfig()):
     """An `onnxruntime.InferenceSession` for a verified model file."""
     ort = _ort()
     device, why = resolve_device(cfg.device)
-    if why not in _logged_choice:
-        _logged_choice.add(why)
-        log.info("ONNX Runtime on %s: %s", device.value.upper(), why)
+    threads = cfg.intra_op_threads or usable_cores()
+    if (why, threads) not in _logged_choice:
+        _logged_choice.add((why, threads))
+        log.info("ONNX Runtime on %s: %s; %d intra-op threads", device.value.upper(), why, threads)
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.intra_op_num_threads = cfg.intra_op_threads or (os.cpu_count() or 1)
+    opts.intra_op_num_threads = threads
     opts.log_severity_level = 3  # errors only: no provider warnings spam on CPU machines
     try:
         sess = ort.InferenceSession(str(path), sess_options=opts,
