@@ -58,7 +58,8 @@ def _finetune_settings(args: argparse.Namespace):
     from export.finetune import FinetuneSettings
 
     epochs = {} if args.epochs is None else {"nli_epochs": args.epochs, "rerank_epochs": args.epochs}
-    return FinetuneSettings(max_train_pairs=args.max_train_pairs, seed=args.seed, nli_bf16=args.bf16, **epochs)
+    return FinetuneSettings(max_train_pairs=args.max_train_pairs, seed=args.seed, nli_bf16=args.bf16,
+                            nli_augment=args.nli_augment, **epochs)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -238,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
                    help="offline NLI: bfloat16 autocast while fine-tuning (auto: where the CPU has "
                         "avx512_bf16/AMX, ~1.5x faster steps; the reranker always trains in fp32)")
+    p.add_argument("--no-nli-augment", dest="nli_augment", action="store_false",
+                   help="offline NLI: no synthetic pairs (negation flips and number swaps of "
+                        "training FEVER claims)")
     p.add_argument("--random-init", default=None, metavar="CONFIG",
                    help="export only a real-size random model (deberta-v3-base, bart-large, ...)")
     p.set_defaults(func=cmd_export)

@@ -15,31 +15,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from d2r_edge.eval.datasets import fever_title
 from d2r_edge.retrieval.bm25 import BM25Index
 
 ENT, NEU, CON = 0, 1, 2           # id2label of the offline NLI model
 ID2LABEL = {ENT: "entailment", NEU: "neutral", CON: "contradiction"}
 FILES = ("fever/dev.jsonl", "hotpotqa/dev.jsonl", "musique/dev.jsonl", "2wikimultihopqa/dev.jsonl",
          "hotpotqa_ircot_subsample/dev.jsonl", "hotpotqa_fullwiki/dev.jsonl")
-# FEVER escapes brackets and colons in page titles
-_TITLE_ESCAPES = {"-LRB-": "(", "-RRB-": ")", "-LSB-": "[", "-RSB-": "]", "-LCB-": "{", "-RCB-": "}",
-                  "-COLON-": ":"}
 RERANK_FEVER_NEGATIVES = 3        # BM25-mined non-gold sentences per FEVER reranker group
 
 
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
 def is_validation(text: str, percent: int = 20) -> bool:
-    key = " ".join(text.lower().split())
-    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100 < percent
-
-
-def fever_title(page: str) -> str:
-    """'Psych_-LRB-season_2-RRB-' -> 'Psych (season 2)'."""
-    for k, v in _TITLE_ESCAPES.items():
-        page = page.replace(k, v)
-    return page.replace("_", " ")
+    return int(hashlib.sha256(_norm(text).encode()).hexdigest()[:8], 16) % 100 < percent
 
 
 def fever_premise(evidence: list) -> str:
@@ -49,6 +44,46 @@ def fever_premise(evidence: list) -> str:
         if sentence not in pages.setdefault(page, []):
             pages[page].append(sentence)
     return "\n".join(f"{fever_title(p)}\n{' '.join(s)}" for p, s in pages.items())
+
+
+_AUX = re.compile(r"\b(is|was|are|were|has|have|had|can|could|will|would|does|do|did|should|may|might|must)\b")
+_NEGATED = re.compile(r"\b(is|was|are|were|has|have|had|could|would|does|do|did|should|must) not\b|"
+                      r"\b(is|was|are|were|has|have|had|could|would|does|do|did|should|must)n't\b|"
+                      r"\b(can't|cannot|won't|never )")
+_UNCONTRACT = {"can't": "can", "cannot": "can", "won't": "will", "never ": ""}
+_NUMBER = re.compile(r"\b\d{1,4}\b")
+
+
+def toggle_negation(claim: str) -> str | None:
+    """'X is a film.' <-> 'X is not a film.'; None when the claim has no auxiliary to negate.
+
+    FEVER's annotators wrote most refutations by negating or mutating a true
+    claim, so a negation alone predicts REFUTES in the raw data (190 of 209
+    negated claims here). Flipping the negation of a claim flips its label
+    under the same evidence (SUPPORTS -> contradiction, REFUTES -> entailment),
+    which shows the model both labels with "not" in the hypothesis.
+    """
+    m = _NEGATED.search(claim)
+    if m:
+        word = m.group(0)
+        plain = _UNCONTRACT.get(word, word.removesuffix(" not").removesuffix("n't"))
+        return (claim[:m.start()] + plain + claim[m.end():]).replace("  ", " ")
+    m = _AUX.search(claim)
+    return None if m is None else f"{claim[:m.end()]} not{claim[m.end():]}"
+
+
+def swap_number(claim: str, premise: str, rng) -> str | None:
+    """A number the evidence confirms, changed: 'began in 2007' -> 'began in 2009' (contradiction)."""
+    found = [m for m in _NUMBER.finditer(claim) if re.search(rf"\b{m.group(0)}\b", premise)]
+    if not found:
+        return None
+    m = found[int(rng.integers(len(found)))]
+    n = int(m.group(0))
+    step = int(rng.integers(1, 4)) * (1 if n < 3 or rng.random() < 0.5 else -1)
+    new = str(n + step)
+    if re.search(rf"\b{new}\b", premise):
+        return None
+    return claim[:m.start()] + new + claim[m.end():]
 
 
 def _rows(path: Path) -> list[dict]:
@@ -107,8 +142,51 @@ def missing_files(data: Path) -> list[str]:
     return [f for f in FILES if not (data / f).is_file()]
 
 
+def _mutations(rows: list[tuple[str, str, str]], real_claims: set[str], rng) -> list[tuple[str, str, int]]:
+    """One synthetic NLI pair per training FEVER claim: a number swap or a negation flip.
+
+    A mutated claim that is a real FEVER claim, or whose text falls in the
+    validation split, is dropped: annotators wrote exactly such mutations, so
+    the held-out set holds some of them.
+    """
+    out = []
+    for premise, claim, label in rows:
+        swapped = swap_number(claim, premise, rng) if label == "SUPPORTS" else None
+        if swapped is not None:
+            new, lab = swapped, CON
+        else:
+            new, lab = toggle_negation(claim), (CON if label == "SUPPORTS" else ENT)
+        if new is not None and _norm(new) not in real_claims and not is_validation(new):
+            out.append((premise, new, lab))
+    return out
+
+
+def heldout_probe(val: list[tuple[str, str, int]], seed: int = 0) -> dict[str, list[tuple[str, str, int]]]:
+    """Held-out FEVER pairs with the claim mutated by the same rules: does the model read 'not' and numbers?
+
+    Gold labels come from the rule (flip ENT <-> CON; a changed number
+    contradicts). Checked against FEVER itself: where a negation-flipped claim
+    is another real FEVER claim, the rule's label matched the annotators' on
+    51 of 63 (9 opposite, 3 NOT ENOUGH INFO).
+    """
+    import numpy as np
+
+    rng = np.random.default_rng([seed, 2])
+    out: dict[str, list[tuple[str, str, int]]] = {"negation_flipped": [], "number_swapped": []}
+    for premise, claim, lab in val:
+        if lab == NEU:
+            continue
+        flipped = toggle_negation(claim)
+        if flipped is not None:
+            out["negation_flipped"].append((premise, flipped, CON if lab == ENT else ENT))
+        swapped = swap_number(claim, premise, rng) if lab == ENT else None
+        if swapped is not None:
+            out["number_swapped"].append((premise, swapped, CON))
+    return out
+
+
 def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
-                rerank_fever_groups: int = 400) -> PairSets:
+                rerank_fever_groups: int = 400, augment: bool = True) -> PairSets:
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -140,13 +218,17 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
         return [texts[i] for i in ids if texts[i] not in exclude][:n]
 
     fever_groups = []
+    synthetic: list[tuple[str, str, str]] = []     # training (premise, claim, label) to mutate
     for row in fever:
         val = is_validation(row["question"])
         claim, label = row["question"], row["label"]
         evidence = row.get("derived_evidence_sentences") or []
         target = sets.nli_val if val else sets.nli_train
         if label in ("SUPPORTS", "REFUTES") and evidence:
-            target.append((fever_premise(evidence), claim, ENT if label == "SUPPORTS" else CON))
+            premise = fever_premise(evidence)
+            target.append((premise, claim, ENT if label == "SUPPORTS" else CON))
+            if not val and augment:
+                synthetic.append((premise, claim, label))
             if not val:
                 gold = {fever_premise([e]) for e in evidence}
                 sets.nli_train += [(n, claim, NEU) for n in mined(claim, gold, 1)]
@@ -179,6 +261,10 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
     fever_groups = [fever_groups[i] for i in rng.permutation(len(fever_groups))[:rerank_fever_groups]]
     groups = qa_groups + fever_groups
     sets.rerank_train = [groups[i] for i in rng.permutation(len(groups))]
+    if synthetic:   # own generator, drawn last: the reranker's sampling does not depend on it
+        aug = np.random.default_rng([seed, 1])
+        sets.nli_train += _mutations(synthetic, {_norm(r["question"]) for r in fever}, aug)
+        sets.nli_train = [sets.nli_train[i] for i in aug.permutation(len(sets.nli_train))]
     if max_train_pairs:
         sets.nli_train = sets.nli_train[:max_train_pairs]
         sets.rerank_train = sets.rerank_train[:max(1, max_train_pairs // 8)]

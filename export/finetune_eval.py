@@ -9,7 +9,7 @@ import numpy as np
 from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
 from d2r_edge.onnx.manifest import Manifest, Variant
 from d2r_edge.retrieval.bm25 import BM25Index
-from export.finetune_data import CON, ENT, ID2LABEL, NEU, PairSets
+from export.finetune_data import CON, ENT, ID2LABEL, NEU, PairSets, heldout_probe
 
 _WORD = re.compile(r"\w+")
 _NEG = {"not", "no", "never", "nor", "none", "nobody", "nothing", "only", "incapable", "unable", "refused",
@@ -56,9 +56,19 @@ def validate_nli(manifest: Manifest, sets: PairSets) -> dict:
     for name, pred in (("model_int8", preds[Variant.INT8]), ("model_fp32", preds[Variant.FP32]),
                        ("majority_class", np.full(len(gold), majority)), ("lexical_overlap", lex)):
         table[name] = {"accuracy": float(np.mean(pred == gold)), "f1": _f1s(pred, gold)}
+    # the held-out claims mutated (negation flipped, number changed): a model that ignores
+    # "not" or the numbers scores about 0.5 here whatever its accuracy above
+    int8 = NLI(manifest, variant=Variant.INT8)
+    probe = {}
+    for kind, rows in heldout_probe(val).items():
+        pg = np.array([lab for _, _, lab in rows])
+        pred = int8.score([(p, h) for p, h, _ in rows]).argmax(axis=1)
+        probe[kind] = {"pairs": len(rows), "model_int8_accuracy": float(np.mean(pred == pg)),
+                       "lexical_overlap_accuracy": float(np.mean(lexical_baseline(sets.nli_train, rows) == pg))}
     return {"heldout_fever_pairs": len(val), "gold_counts": {ID2LABEL[k]: int(np.sum(gold == k)) for k in ID2LABEL},
             "table": table,
-            "int8_fp32_label_agreement": float(np.mean(preds[Variant.INT8] == preds[Variant.FP32]))}
+            "int8_fp32_label_agreement": float(np.mean(preds[Variant.INT8] == preds[Variant.FP32])),
+            "mutation_probe": probe}
 
 
 def _rank_metrics(scores_per_q: list[np.ndarray], gold: list[list[int]], k: int = 3) -> dict:

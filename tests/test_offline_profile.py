@@ -65,6 +65,36 @@ def test_pairs_carry_titles_and_reranker_groups_are_clean(shared_data):
     assert all(len(q["gold"]) == 2 for q in sets.rerank_val)   # HotpotQA: two supporting paragraphs
 
 
+def test_synthetic_nli_pairs_flip_labels_and_stay_out_of_validation(shared_data):
+    import numpy as np
+
+    from export.finetune_data import (CON, ENT, NEU, build_pairs, heldout_probe, is_validation, swap_number,
+                                      toggle_negation)
+
+    assert toggle_negation("John Goodman is not an actor.") == "John Goodman is an actor."
+    assert toggle_negation("Pythagoras wasn't a mathematician.") == "Pythagoras was a mathematician."
+    assert toggle_negation("Bob Ross never hosted a show on PBS.") == "Bob Ross hosted a show on PBS."
+    assert toggle_negation("Australia is one of the ABC Islands.") == "Australia is not one of the ABC Islands."
+    assert toggle_negation("Tim Roth starred in films.") is None       # no auxiliary: no guess
+    rng = np.random.default_rng(0)
+    swapped = swap_number("Psych (season 2) began on July 13th, 2007.", "aired from July 13 , 2007 to 2008", rng)
+    assert swapped is not None and "2007" not in swapped and "13th" in swapped
+    assert swap_number("It began in 2007.", "It began in 2009.", rng) is None   # the evidence lacks it
+    plain = build_pairs(shared_data, augment=False)
+    sets = build_pairs(shared_data)
+    real = {" ".join(h.lower().split()) for _, h, _ in plain.nli_train}
+    extra = [(p, h, lab) for p, h, lab in sets.nli_train if " ".join(h.lower().split()) not in real]
+    assert len(extra) > 1000 and {lab for *_, lab in extra} == {ENT, CON}
+    assert not any(is_validation(h) for _, h, _ in extra)
+    assert sets.nli_val == plain.nli_val                      # held-out pairs are never augmented
+    probe = heldout_probe(sets.nli_val)
+    assert len(probe["negation_flipped"]) > 300 and len(probe["number_swapped"]) > 30
+    assert set(probe["negation_flipped"]) == {(p, toggle_negation(h), CON if lab == ENT else ENT)
+                                              for p, h, lab in sets.nli_val
+                                              if lab != NEU and toggle_negation(h)}    # label flips with "not"
+    assert {lab for *_, lab in probe["number_swapped"]} == {CON}
+
+
 def test_manifest_is_traceable(small_offline):
     profile, _, _ = small_offline
     raw = json.loads((profile / "manifest.json").read_text())
@@ -77,6 +107,10 @@ def test_manifest_is_traceable(small_offline):
     v = nli["validation"]
     assert set(v["table"]) == {"model_int8", "model_fp32", "majority_class", "lexical_overlap"}
     assert 0 <= v["int8_fp32_label_agreement"] <= 1
+    assert set(v["mutation_probe"]) == {"negation_flipped", "number_swapped"}
+    assert all(0 <= p["model_int8_accuracy"] <= 1 and p["pairs"] > 0 for p in v["mutation_probe"].values())
+    tiers = nli["variants"]["int8"]["quantization"]["tier_agreement"]   # trained: the tier search ran
+    assert tiers["tried"][0]["keep_fp32"] == "none" and tiers["pairs"] == 256
     r = raw["roles"]["reranker"]["validation"]
     assert {"cross_encoder_int8", "bm25", "minilm_bi_encoder"} <= set(r)
     assert raw["absent"]["triples"].startswith("no REBEL")
@@ -118,3 +152,16 @@ def test_training_is_cached(small_offline, shared_data):
     path, meta = finetuned_checkpoint("nli", base.directory, shared_data, out / ".cache", settings)
     assert time.perf_counter() - t0 < 20 and (path / "training.json").is_file()
     assert meta["settings"]["max_train_pairs"] == 256
+
+
+def test_cli_export_flags_reach_the_training_settings():
+    pytest.importorskip("torch")
+    from d2r_edge.cli import _finetune_settings, build_parser
+
+    s = _finetune_settings(build_parser().parse_args(["export", "--profile", "offline"]))
+    assert s.nli_augment and s.nli_epochs == 3 and s.rerank_epochs == 2 and s.nli_bf16 == "auto"
+    s = _finetune_settings(build_parser().parse_args(
+        ["export", "--profile", "offline", "--no-nli-augment", "--epochs", "1", "--bf16", "off",
+         "--max-train-pairs", "64"]))
+    assert not s.nli_augment and (s.nli_epochs, s.rerank_epochs, s.nli_bf16, s.max_train_pairs) == (1, 1, "off", 64)
+    assert "nli_augment" in s.for_role("nli") and "nli_augment" not in s.for_role("reranker")

@@ -18,6 +18,22 @@ def _jsonl(path: Path, limit: int | None = None):
                 yield json.loads(line)
 
 
+# FEVER escapes brackets and colons in page titles
+_TITLE_ESCAPES = {"-LRB-": "(", "-RRB-": ")", "-LSB-": "[", "-RSB-": "]", "-LCB-": "{", "-RCB-": "}",
+                  "-COLON-": ":"}
+
+
+def fever_title(page: str) -> str:
+    """'Psych_-LRB-season_2-RRB-' -> 'Psych (season 2)', as the page is titled on Wikipedia.
+
+    The offline NLI and reranker are trained on passages titled this way
+    (export/finetune_data.py), so the knowledge base titles them the same.
+    """
+    for k, v in _TITLE_ESCAPES.items():
+        page = page.replace(k, v)
+    return page.replace("_", " ")
+
+
 @dataclass(frozen=True)
 class GoldQuery:
     id: str
@@ -36,7 +52,7 @@ def fever_evidence(path: Path, limit: int | None = None) -> tuple[list[Document]
         for page, sent_id, text in row.get("derived_evidence_sentences") or []:
             doc_id = f"{page}#{sent_id}"
             gold.add(doc_id)
-            docs.setdefault(doc_id, Document(doc_id, page.replace("_", " "), text))
+            docs.setdefault(doc_id, Document(doc_id, fever_title(page), text))
         queries.append(GoldQuery(str(row["id"]), row["question"], frozenset(gold), label=row.get("label")))
     return list(docs.values()), queries
 
