@@ -222,3 +222,25 @@ def test_exploration_off_is_pure_policy():
     ex = Explorer(np.array([True] * 8 + [False] * 3), ExplorationConfig(rate=0.0))
     d = ex.decide(pol, np.ones(5))
     assert d.arm == 0 and d.propensity == 1.0 and not d.explored
+
+
+def test_select_from_the_float32_mirror_is_the_float64_argmax(tmp_path):
+    """select reads float32 A_inv with an error bound; it must pick what float64 scores pick."""
+    rng = np.random.default_rng(5)
+    pol = LinUCB(11, 40, alpha=2.0, reinvert_every=50)
+    for step in range(600):
+        x = rng.normal(size=40) * rng.choice([1e-3, 1.0, 30.0])
+        allowed = rng.random(11) < 0.7
+        allowed[rng.integers(11)] = True
+        scores = pol.scores(x, allowed)
+        assert pol.select(x, allowed) == int(np.argmax(scores)), step
+        pol.update(int(rng.integers(11)), rng.normal(size=40), float(rng.random()))
+    assert np.array_equal(pol._a_inv32, pol.A_inv.astype(np.float32))    # kept in step, reinversions too
+    # an exact tie between two trained arms: float32 bounds overlap, float64 decides, lowest index wins
+    for name in ("A", "A_inv", "_a_inv32", "b", "theta"):
+        getattr(pol, name)[7] = getattr(pol, name)[2]
+    x = next(x for x in rng.normal(size=(500, 40)) if int(np.argmax(pol.scores(x))) == 2)
+    assert pol.scores(x)[2] == pol.scores(x)[7] and pol.select(x) == 2
+    pol.save(tmp_path / "p.npz")
+    loaded = LinUCB.load(tmp_path / "p.npz")
+    assert np.array_equal(loaded._a_inv32, pol._a_inv32) and loaded.select(x) == pol.select(x)
