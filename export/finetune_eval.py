@@ -49,7 +49,8 @@ def validate_nli(manifest: Manifest, sets: PairSets) -> dict:
     val = sets.nli_val
     gold = np.array([lab for _, _, lab in val])
     pairs = [(p, h) for p, h, _ in val]
-    preds = {v: NLI(manifest, variant=v).score(pairs).argmax(axis=1) for v in (Variant.INT8, Variant.FP32)}
+    models = {v: NLI(manifest, variant=v) for v in (Variant.INT8, Variant.FP32)}
+    preds = {v: m.score(pairs).argmax(axis=1) for v, m in models.items()}
     majority = np.bincount([lab for _, _, lab in sets.nli_train]).argmax()
     lex = lexical_baseline(sets.nli_train, val)
     table = {}
@@ -58,11 +59,10 @@ def validate_nli(manifest: Manifest, sets: PairSets) -> dict:
         table[name] = {"accuracy": float(np.mean(pred == gold)), "f1": _f1s(pred, gold)}
     # the held-out claims mutated (negation flipped, number changed): a model that ignores
     # "not" or the numbers scores about 0.5 here whatever its accuracy above
-    int8 = NLI(manifest, variant=Variant.INT8)
     probe = {}
     for kind, rows in heldout_probe(val).items():
         pg = np.array([lab for _, _, lab in rows])
-        pred = int8.score([(p, h) for p, h, _ in rows]).argmax(axis=1)
+        pred = models[Variant.INT8].score([(p, h) for p, h, _ in rows]).argmax(axis=1)
         probe[kind] = {"pairs": len(rows), "model_int8_accuracy": float(np.mean(pred == pg)),
                        "lexical_overlap_accuracy": float(np.mean(lexical_baseline(sets.nli_train, rows) == pg))}
     return {"heldout_fever_pairs": len(val), "gold_counts": {ID2LABEL[k]: int(np.sum(gold == k)) for k in ID2LABEL},

@@ -299,14 +299,17 @@ def parse_triples(text: str) -> list[Triple]:
     triples: list[Triple] = []
     head = tail = relation = ""
     state = None
+
+    def emit() -> None:   # only complete triples: every field non-blank once stripped
+        if head.strip() and tail.strip() and relation.strip():
+            triples.append(Triple(head.strip(), relation.strip(), tail.strip()))
+
     for piece in _MARKERS.split(_NOISE.sub(" ", text)):
         if piece == "<triplet>":
-            if head and tail and relation:
-                triples.append(Triple(head.strip(), relation.strip(), tail.strip()))
+            emit()
             head, tail, relation, state = "", "", "", "head"
         elif piece == "<subj>":
-            if head and tail and relation:  # a new tail for the same head
-                triples.append(Triple(head.strip(), relation.strip(), tail.strip()))
+            emit()          # a new tail for the same head
             tail, relation, state = "", "", "tail" if head.strip() else None
         elif piece == "<obj>":
             state = "relation" if state == "tail" and tail.strip() else None
@@ -316,8 +319,7 @@ def parse_triples(text: str) -> list[Triple]:
             tail += piece
         elif state == "relation":
             relation += piece
-    if head.strip() and tail.strip() and relation.strip():
-        triples.append(Triple(head.strip(), relation.strip(), tail.strip()))
+    emit()
     return triples
 
 
