@@ -33,32 +33,13 @@ log = logging.getLogger(__name__)
 KIND = "linucb"
 
 
-@njit(cache=True, fastmath=True, nogil=True)
-def _ucb_scores(a_inv, theta, x, alpha, allowed, out):  # pragma: no cover - jitted
-    n, d = theta.shape
-    for a in range(n):
-        if not allowed[a]:
-            out[a] = -np.inf
-            continue
-        quad = 0.0
-        for i in range(d):
-            acc = 0.0
-            for j in range(d):
-                acc += a_inv[a, i, j] * x[j]
-            quad += acc * x[i]
-        mean = 0.0
-        t = theta[a]
-        for i in range(d):
-            mean += t[i] * x[i]
-        out[a] = mean + alpha * math.sqrt(max(quad, 0.0))
-
-
 _F32_EPS = 2.0 ** -24      # relative rounding of a float64 stored as float32
 _F64_EPS = 2.0 ** -53
 
 
 @njit(cache=True, fastmath=True, nogil=True)
 def _quad64(a_inv, a, x):  # pragma: no cover - jitted
+    """x^T A_inv[a] x in float64, rows read whole (vectorizes)."""
     d = x.shape[0]
     quad = 0.0
     for i in range(d):
@@ -67,6 +48,24 @@ def _quad64(a_inv, a, x):  # pragma: no cover - jitted
             acc += a_inv[a, i, j] * x[j]
         quad += acc * x[i]
     return quad
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def _mean(theta, a, x):  # pragma: no cover - jitted
+    t = theta[a]
+    out = 0.0
+    for i in range(x.shape[0]):
+        out += t[i] * x[i]
+    return out
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def _ucb_scores(a_inv, theta, x, alpha, allowed, out):  # pragma: no cover - jitted
+    for a in range(theta.shape[0]):
+        if not allowed[a]:
+            out[a] = -np.inf
+            continue
+        out[a] = _mean(theta, a, x) + alpha * math.sqrt(max(_quad64(a_inv, a, x), 0.0))
 
 
 # reassociation lets the reductions vectorize; no nnan/ninf: this code compares against -inf
@@ -93,10 +92,7 @@ def _ucb_select(a_inv, a_inv32, theta, x, alpha, allowed, lo, hi):  # pragma: no
             quad += acc * x[i]
             mag += acc_abs * abs(x[i])
         err = mag * slack
-        mean = 0.0
-        t = theta[a]
-        for i in range(d):
-            mean += t[i] * x[i]
+        mean = _mean(theta, a, x)
         lo[a] = mean + alpha * math.sqrt(max(quad - err, 0.0))
         hi[a] = mean + alpha * math.sqrt(max(quad + err, 0.0))
         lo[a] -= 1e-12 * abs(lo[a])
@@ -111,15 +107,11 @@ def _ucb_select(a_inv, a_inv32, theta, x, alpha, allowed, lo, hi):  # pragma: no
                 winner = a
     if n_cand <= 1:
         return max(winner, 0)
-    # the bounds overlap: decide between the candidates in float64, as _ucb_scores would
+    # the bounds overlap: decide between the candidates in float64, with _ucb_scores' own arithmetic
     best, best_score = -1, -np.inf
     for a in range(n):
         if allowed[a] and hi[a] >= best_lo:
-            mean = 0.0
-            t = theta[a]
-            for i in range(d):
-                mean += t[i] * x[i]
-            score = mean + alpha * math.sqrt(max(_quad64(a_inv, a, x), 0.0))
+            score = _mean(theta, a, x) + alpha * math.sqrt(max(_quad64(a_inv, a, x), 0.0))
             if best < 0 or score > best_score:
                 best, best_score = a, score
     return best
