@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from d2r_edge.errors import ManifestError
+from d2r_edge.errors import ExportError, ManifestError
 from d2r_edge.onnx.manifest import Role, Variant, load_manifest
 
 pytestmark = pytest.mark.export
@@ -96,8 +96,12 @@ def test_synthetic_nli_pairs_flip_labels_and_stay_out_of_validation(shared_data)
 
 
 def test_manifest_is_traceable(small_offline):
-    profile, _, _ = small_offline
+    profile, _, settings = small_offline
     raw = json.loads((profile / "manifest.json").read_text())
+    for role, other in (("nli", "reranker"), ("reranker", "nli")):
+        start = raw["roles"][role]["training"]["initialized_from"]
+        assert start == ({"role": other, "cache_key": raw["roles"][other]["training"]["cache_key"]}
+                         if settings.init_role(role) else "base_model")
     nli = raw["roles"]["nli"]
     assert nli["weights"] == "trained" and nli["source"]["kind"] == "finetune"
     assert nli["id2label"] == {"0": "entailment", "1": "neutral", "2": "contradiction"}
@@ -152,6 +156,27 @@ def test_training_is_cached(small_offline, shared_data):
     path, meta = finetuned_checkpoint("nli", base.directory, shared_data, out / ".cache", settings)
     assert time.perf_counter() - t0 < 20 and (path / "training.json").is_file()
     assert meta["settings"]["max_train_pairs"] == 256
+
+
+def test_a_role_starts_from_the_other_roles_encoder_with_a_new_head(small_offline):
+    import torch
+    from safetensors.torch import load_file
+
+    from export.finetune import FinetuneSettings, _model
+    from export.finetune_data import ID2LABEL
+
+    _, out, _ = small_offline
+    rr_dir = next((out / ".cache" / "finetune").glob("reranker-*[0-9a-f]"))
+    trained = load_file(rr_dir / "model.safetensors")
+    model = _model(rr_dir, ID2LABEL)
+    state = model.state_dict()
+    assert model.config.num_labels == 3 and state["classifier.weight"].shape == (3, 384)
+    enc = [k for k in trained if k.startswith("bert.")]
+    assert len(enc) > 90 and all(torch.equal(state[k], trained[k]) for k in enc)
+    assert FinetuneSettings().init_role("nli") == "reranker" and FinetuneSettings().init_role("reranker") is None
+    for bad in ({"rerank_init": "nli"}, {"rerank_init": "reranker"}, {"nli_init": "nli"}):
+        with pytest.raises(ExportError, match="init"):
+            FinetuneSettings(**bad)
 
 
 def test_cli_export_flags_reach_the_training_settings():
