@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from d2r_edge.errors import ExportError
+from d2r_edge.onnx.manifest import sha256_file
 from export.finetune_data import ID2LABEL, PairSets, build_pairs, missing_files
 
 log = logging.getLogger(__name__)
@@ -96,12 +97,12 @@ def pairs_sha256(role: str, sets: PairSets) -> str:
     return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode()).hexdigest()
 
 
-def _key(role: str, base: Path, sets: PairSets, s: FinetuneSettings, init_key: str | None) -> str:
+def _key(role: str, base_sha256: str, sets: PairSets, s: FinetuneSettings, init_key: str | None) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"role": role, "settings": s.for_role(role), "files": sets.files_sha256,
                          "split": sets.split, "pairs": pairs_sha256(role, sets), "init": init_key},
                         sort_keys=True).encode())
-    h.update(hashlib.sha256((base / "model.safetensors").read_bytes()).digest())
+    h.update(bytes.fromhex(base_sha256))
     return h.hexdigest()
 
 
@@ -252,11 +253,17 @@ def finetuned_checkpoint(role: str, base: Path, data_dir: Path, cache_dir: Path,
     if missing:
         raise ExportError(f"fine-tuning needs the labeled samples {', '.join(missing)} under {data_dir}; "
                           f"pass --data-dir pointing at the shared data folder")
-    init_role = s.init_role(role)
-    init, init_meta = (base, None) if init_role is None else finetuned_checkpoint(init_role, base, data_dir,
-                                                                                  cache_dir, s)
     sets = build_pairs(data_dir, s.max_train_pairs, s.seed, s.rerank_fever_groups, s.nli_augment)
-    key = _key(role, base, sets, s, init_meta["cache_key"] if init_meta else None)
+    return _checkpoint(role, base, sha256_file(base / "model.safetensors"), sets, cache_dir, s)
+
+
+def _checkpoint(role: str, base: Path, base_sha256: str, sets: PairSets, cache_dir: Path,
+                s: FinetuneSettings) -> tuple[Path, dict]:
+    """`role`'s checkpoint, after the one it starts from (same pairs and base hash for both)."""
+    init_role = s.init_role(role)
+    init, init_meta = ((base, None) if init_role is None
+                       else _checkpoint(init_role, base, base_sha256, sets, cache_dir, s))
+    key = _key(role, base_sha256, sets, s, init_meta["cache_key"] if init_meta else None)
     out = cache_dir / "finetune" / f"{role}-{key[:16]}"
     meta_path = out / "training.json"
     if meta_path.is_file():
@@ -266,7 +273,7 @@ def finetuned_checkpoint(role: str, base: Path, data_dir: Path, cache_dir: Path,
     shutil.rmtree(tmp, ignore_errors=True)
     log.info("fine-tuning %s from %s on %s", role, init_role or "the base model", sets.split)
     stats = train(role, init, sets, tmp, s)
-    meta = {"base_model_sha256": hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest(),
+    meta = {"base_model_sha256": base_sha256,
             "base_model": str(base), "data_files_sha256": sets.files_sha256, "split": sets.split,
             "settings": s.for_role(role), "training_pairs_sha256": pairs_sha256(role, sets),
             "initialized_from": ({"role": init_role, "cache_key": init_meta["cache_key"]} if init_meta
