@@ -138,6 +138,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_answers(args: argparse.Namespace) -> int:
+    from d2r_edge.app import RunSettings
+    from d2r_edge.config import BUDGET_PRESETS, Budget
+    from d2r_edge.eval.answers import EvalSettings, evaluate, parse_methods
+    from d2r_edge.eval.split import Split
+    from d2r_edge.onnx.manifest import Variant
+    from d2r_edge.tasks import Task
+
+    methods = parse_methods(args.methods)
+    budget = BUDGET_PRESETS[args.budget_preset] if args.budget_preset else \
+        Budget(latency_s=args.budget_latency_s, device_mem_mib=args.budget_mem_mib)
+    out = Path(args.out)
+    run = RunSettings(kb=out / "kb", models=Path(args.models), task=Task(args.task), variant=Variant(args.variant),
+                      allow_random_weights=args.allow_random_weights, generator=args.generator,
+                      base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
+                      timeout_s=args.timeout_s, alpha=args.alpha, budget=budget, seed=args.seed)
+    s = EvalSettings(task=Task(args.task), train=tuple(map(Path, args.train)), test=tuple(map(Path, args.test)),
+                     models=Path(args.models), out=out, train_limit=args.train_limit, test_limit=args.test_limit,
+                     split=Split(args.split), methods=methods, extra_docs=tuple(map(Path, args.extra_docs)),
+                     run=run, epochs=args.epochs, bootstrap_resamples=args.bootstrap)
+    evaluate(s)
+    print((out / "report.md").read_text(encoding="utf-8"))
+    print(f"report: {out / 'report.md'}; machine-readable: {out / 'summary.json'}")
+    return 0
+
+
 def _settings(args: argparse.Namespace):
     from d2r_edge.app import RunSettings
     from d2r_edge.config import BUDGET_PRESETS, Budget, ExplorationConfig, RewardConfig
@@ -195,6 +221,16 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, help="policy .npz (loaded if present; train saves it)")
     p.add_argument("--policy-kind", default="linucb", choices=["linucb", "thompson"])
     p.add_argument("--alpha", type=float, default=2.0, help="LinUCB exploration (paper: 2)")
+    _generator_args(p)
+    p.add_argument("--unconstrained", action="store_true", help="ablation: no hard budget gates in the reward")
+    p.add_argument("--unweighted", action="store_true", help="ablation: no cost weighting in the reward")
+    p.add_argument("--explore", type=float, default=0.0, help="weighted random exploration rate (train)")
+    p.add_argument("--refresh-pool", default=None, help="JSONL pool for the paper's simulated refresh arm")
+    p.add_argument("--seed", type=int, default=0)
+    _model_args(p)
+
+
+def _generator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generator", default="extractive", choices=["extractive", "openai"])
     p.add_argument("--base-url", default="http://127.0.0.1:8080/v1", help="OpenAI-compatible server")
     p.add_argument("--model", default="local", help="model name sent to the server")
@@ -203,12 +239,6 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-latency-s", type=float, default=3.0, help="per repair action (paper: 3 s)")
     p.add_argument("--budget-mem-mib", type=float, default=6.0, help="per repair action (paper: 6 MB)")
     p.add_argument("--budget-preset", choices=["paper", "stringent", "relaxed"], default=None)
-    p.add_argument("--unconstrained", action="store_true", help="ablation: no hard budget gates in the reward")
-    p.add_argument("--unweighted", action="store_true", help="ablation: no cost weighting in the reward")
-    p.add_argument("--explore", type=float, default=0.0, help="weighted random exploration rate (train)")
-    p.add_argument("--refresh-pool", default=None, help="JSONL pool for the paper's simulated refresh arm")
-    p.add_argument("--seed", type=int, default=0)
-    _model_args(p)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -253,14 +283,40 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.set_defaults(func=cmd_index)
 
-    p = sub.add_parser("eval", help="retrieval quality on the shared samples (recall@5/10/20)")
-    p.add_argument("what", choices=["retrieval"])
+    p = sub.add_parser("eval", help="evaluations: retrieval recall, answers with and without repair")
+    ev = p.add_subparsers(dest="what", required=True)
+    p = ev.add_parser("retrieval", help="retrieval quality on the shared samples (recall@5/10/20)")
     p.add_argument("--data", default="../shared/data")
     p.add_argument("--work", default="models/.eval", help="where the evaluation KBs are built")
     p.add_argument("--fever-limit", type=int, default=None, help="use only the first N FEVER claims")
     p.add_argument("--out", default=None, help="also write the markdown table here")
     _model_args(p)
     p.set_defaults(func=cmd_eval)
+
+    p = ev.add_parser("answers", help="naive RAG vs baselines vs D2R policies vs the oracle, same test queries")
+    p.add_argument("--task", required=True, choices=["fever", "qa"])
+    p.add_argument("--train", action="append", required=True, metavar="FILE",
+                   help="policy-training queries (a ../shared/data layout); repeat for several files")
+    p.add_argument("--test", action="append", required=True, metavar="FILE",
+                   help="test queries; a file also given as --train continues after the training slice")
+    p.add_argument("--out", required=True, help="report, records, KB and caches; rerun to resume")
+    p.add_argument("--train-limit", type=int, default=None)
+    p.add_argument("--test-limit", type=int, default=None)
+    p.add_argument("--split", default="heldout", choices=["heldout", "fit", "all"],
+                   help="which queries of the files: heldout = never seen by the offline models' "
+                        "fine-tuning (default), fit = the side they trained on, all")
+    p.add_argument("--methods", default=None, help="comma-separated (default: all): " + ", ".join(
+        ["naive", "paraphrase", "expansion", "best_fixed", "linucb", "thompson", "oracle",
+         "linucb_unweighted", "linucb_unconstrained", "linucb_stringent", "linucb_relaxed"]))
+    p.add_argument("--extra-docs", action="append", default=[], metavar="FILE",
+                   help="more KB documents (JSONL id, title, text), e.g. distractors")
+    p.add_argument("--epochs", type=int, default=2, help="policy training passes (paper: 2)")
+    p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples for the intervals")
+    _generator_args(p)
+    p.add_argument("--alpha", type=float, default=2.0, help="LinUCB exploration (paper: 2)")
+    p.add_argument("--seed", type=int, default=0)
+    _model_args(p)
+    p.set_defaults(func=cmd_eval_answers)
 
     p = sub.add_parser("run", help="answer queries with diagnose-and-repair; one JSON record per query")
     _run_args(p)

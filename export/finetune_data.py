@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from d2r_edge.eval.datasets import fever_title
+from d2r_edge.eval.split import is_validation, normalize_text
 from d2r_edge.retrieval.bm25 import BM25Index
 
 ENT, NEU, CON = 0, 1, 2           # id2label of the offline NLI model
@@ -29,12 +30,7 @@ FILES = ("fever/dev.jsonl", "hotpotqa/dev.jsonl", "musique/dev.jsonl", "2wikimul
 RERANK_FEVER_NEGATIVES = 3        # BM25-mined non-gold sentences per FEVER reranker group
 
 
-def _norm(text: str) -> str:
-    return " ".join(text.lower().split())
-
-
-def is_validation(text: str, percent: int = 20) -> bool:
-    return int(hashlib.sha256(_norm(text).encode()).hexdigest()[:8], 16) % 100 < percent
+_norm = normalize_text
 
 
 def fever_premise(evidence: list) -> str:

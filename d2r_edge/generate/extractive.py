@@ -31,6 +31,7 @@ def _overlap(a: str, b: str) -> float:
 
 class Extractive:
     name = "extractive"
+    prompt_sensitive = False   # no prompt: the two prompt arms reproduce the default attempt
 
     def __init__(self, nli, reranker=None, embedder=None) -> None:
         self.nli, self.reranker, self.embedder = nli, reranker, embedder

@@ -1,0 +1,157 @@
+"""What every method of an evaluation shares: attempts and generator calls, computed once.
+
+`AttemptStore` is the pipeline's memo (`Pipeline.memo`): the outcome of one
+(query, effective config) - passages, generation, diagnosis, stage times and the
+metered cost of the attempt - appended to a JSONL file as soon as it exists. The
+first attempt of a query is then the same object for every method, an arm that
+two methods (or two training epochs) pick is computed once, and a killed
+evaluation rerun with the same store redoes nothing that finished.
+
+`CachedGenerator` keys each generator request (task, prompt style when the
+generator has prompts, query, passages, and the generator's identity) and keeps
+the answer on disk, so a repeated request never reaches the LLM twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from d2r_edge.budget import Measurement, MemoryKind, MemorySource
+from d2r_edge.diagnose import Diagnosis, Label
+from d2r_edge.generate.base import Generation
+from d2r_edge.pipeline import Attempt
+from d2r_edge.repair import PipelineConfig
+from d2r_edge.retrieval.retriever import Passage
+from d2r_edge.runner import RecordLog
+from d2r_edge.signals import Entailment, FailureType, KGStatus
+
+log = logging.getLogger(__name__)
+
+
+def config_key(cfg: PipelineConfig) -> str:
+    r = cfg.retrieval
+    return (f"{r.kind.value}|k{r.top_k}|rerank{int(r.rerank)}:{r.rerank_top_n}|{cfg.prompt.value}"
+            f"|refresh{int(cfg.refresh)}")
+
+
+def _label(value) -> Label | None:
+    return None if value is None else Label(value)
+
+
+def attempt_to_json(a: Attempt) -> dict:
+    d = a.diagnosis
+    return {
+        "passages": [[p.chunk_id, p.score] for p in a.passages],
+        "generation": {"response": a.generation.response,
+                       "label": a.generation.label.value if a.generation.label else None,
+                       "raw": a.generation.raw},
+        "diagnosis": {"failure": d.failure.value, "e_q": d.e_q.value, "e_r": d.e_r.value, "kg": d.kg.value,
+                      "label": d.label.value if d.label else None,
+                      "gated_label": d.gated_label.value if d.gated_label else None,
+                      "nli_q": d.passage_probs_q, "nli_r": d.passage_probs_r},
+        "timings_s": a.timings_s,
+    }
+
+
+def attempt_from_json(row: dict, chunks: list[dict]) -> Attempt:
+    passages = []
+    for chunk_id, score in row["passages"]:
+        c = chunks[int(chunk_id)]
+        passages.append(Passage(int(c["chunk_id"]), c["doc_id"], c["title"], c["text"], float(score)))
+    g, d = row["generation"], row["diagnosis"]
+    diag = Diagnosis(FailureType(d["failure"]), Entailment(d["e_q"]), Entailment(d["e_r"]), KGStatus(d["kg"]),
+                     _label(d["label"]), _label(d["gated_label"]), d["nli_q"], d["nli_r"])
+    return Attempt(passages, Generation(g["response"], _label(g["label"]), g["raw"]), diag, dict(row["timings_s"]))
+
+
+def cost_to_json(m: Measurement | None) -> dict | None:
+    if m is None:
+        return None
+    return {"latency_s": m.latency_s, "mem_growth_mib": m.mem_growth_mib, "memory_kind": m.memory_kind.value,
+            "memory_source": m.memory_source.value, "samples": m.samples}
+
+
+def cost_from_json(c: dict | None) -> Measurement | None:
+    if c is None:
+        return None
+    return Measurement(float(c["latency_s"]), float(c["mem_growth_mib"]), MemoryKind(c["memory_kind"]),
+                       MemorySource(c["memory_source"]), int(c["samples"]))
+
+
+class AttemptStore:
+    """The pipeline memo, persisted: one JSONL line per (query, effective config)."""
+
+    def __init__(self, path: Path, chunks: list[dict]) -> None:
+        self.chunks = chunks
+        self.log = RecordLog(path)
+        self._rows: dict[tuple[str, str], dict] = {}
+        for row in self.log.records:
+            self._rows[(row["query"], row["config"])] = row   # a later line (metered) wins
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def has(self, query: str, cfg: PipelineConfig, metered: bool = False) -> bool:
+        row = self._rows.get((query, config_key(cfg)))
+        return row is not None and (row["cost"] is not None or not metered)
+
+    def row(self, query: str, cfg: PipelineConfig) -> dict | None:
+        return self._rows.get((query, config_key(cfg)))
+
+    def get(self, query: str, cfg: PipelineConfig) -> tuple[Attempt, Measurement | None] | None:
+        row = self._rows.get((query, config_key(cfg)))
+        if row is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return attempt_from_json(row["attempt"], self.chunks), cost_from_json(row["cost"])
+
+    def put(self, query: str, cfg: PipelineConfig, attempt: Attempt, cost: Measurement | None) -> None:
+        row = {"query": query, "config": config_key(cfg), "attempt": attempt_to_json(attempt),
+               "cost": cost_to_json(cost)}
+        self._rows[(query, row["config"])] = row
+        self.log.append(row)
+
+    def close(self) -> None:
+        self.log.close()
+
+
+class CachedGenerator:
+    """A generator whose answers are kept on disk by request."""
+
+    def __init__(self, inner, path: Path) -> None:
+        self.inner = inner
+        self.name = getattr(inner, "name", type(inner).__name__)
+        self.prompt_sensitive = getattr(inner, "prompt_sensitive", True)
+        self.identity = json.dumps({"name": self.name, "model": getattr(inner, "model", None),
+                                    "base_url": getattr(inner, "base_url", None),
+                                    "temperature": getattr(inner, "temperature", None),
+                                    "max_tokens": getattr(inner, "max_tokens", None)}, sort_keys=True)
+        self.log = RecordLog(path)
+        self._cache = {row["key"]: row for row in self.log.records}
+        self.calls = self.hits = 0
+
+    def key(self, task, style, query: str, passages: list[str]) -> str:
+        req = [self.identity, task.value, style.value if self.prompt_sensitive else None, query, passages]
+        return hashlib.sha256(json.dumps(req, ensure_ascii=False).encode()).hexdigest()
+
+    def generate(self, task, style, query: str, passages: list[str]) -> Generation:
+        key = self.key(task, style, query, passages)
+        row = self._cache.get(key)
+        if row is not None:
+            self.hits += 1
+            return Generation(row["response"], _label(row["label"]), row["raw"])
+        self.calls += 1
+        gen = self.inner.generate(task, style, query, passages)
+        row = {"key": key, "response": gen.response, "label": gen.label.value if gen.label else None,
+               "raw": gen.raw}
+        self._cache[key] = row
+        self.log.append(row)
+        return gen
+
+    def close(self) -> None:
+        self.log.close()
