@@ -12,6 +12,7 @@ from d2r_edge.budget import CostModel, Meter
 from d2r_edge.config import Budget, ContextConfig, ExplorationConfig, RewardConfig
 from d2r_edge.diagnose import Diagnoser
 from d2r_edge.errors import ConfigError, PolicyFileError
+from d2r_edge.hypothesis import HypothesisForm
 from d2r_edge.kg.check import KGChecker
 from d2r_edge.kg.store import KG_DIR, TripleStore
 from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
@@ -48,6 +49,7 @@ class RunSettings:
     query_dim: int | None = 128
     refresh_pool: Path | None = None
     seed: int = 0
+    qa_hypothesis: HypothesisForm = HypothesisForm.BARE
 
 
 def costs_path(policy_path: Path) -> Path:
@@ -119,7 +121,7 @@ def build_pipeline(s: RunSettings) -> Pipeline:
     for model in (embedder, nli):
         model.warmup()
     return Pipeline(task=s.task, retriever=Retriever(kb, embedder, reranker), generator=generator,
-                    diagnoser=Diagnoser(nli, kg), policy=policy, context=context, costs=costs,
+                    diagnoser=Diagnoser(nli, kg, s.qa_hypothesis), policy=policy, context=context, costs=costs,
                     meter=Meter(), budget=s.budget, reward_cfg=s.reward,
                     explorer=Explorer(IS_RETRIEVAL, s.exploration) if s.exploration.rate > 0 else None,
                     refresh=refresh)

@@ -153,7 +153,8 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
     run = RunSettings(kb=out / "kb", models=Path(args.models), task=Task(args.task), variant=Variant(args.variant),
                       allow_random_weights=args.allow_random_weights, generator=args.generator,
                       base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
-                      timeout_s=args.timeout_s, alpha=args.alpha, budget=budget, seed=args.seed)
+                      timeout_s=args.timeout_s, alpha=args.alpha, budget=budget, seed=args.seed,
+                      qa_hypothesis=args.qa_hypothesis)
     s = EvalSettings(task=Task(args.task), train=tuple(map(Path, args.train)), test=tuple(map(Path, args.test)),
                      models=Path(args.models), out=out, train_limit=args.train_limit, test_limit=args.test_limit,
                      split=Split(args.split), methods=methods, extra_docs=tuple(map(Path, args.extra_docs)),
@@ -180,7 +181,8 @@ def _settings(args: argparse.Namespace):
         policy_kind=args.policy_kind, alpha=args.alpha, budget=budget,
         reward=RewardConfig(gates=not args.unconstrained, cost_weighting=not args.unweighted),
         exploration=ExplorationConfig(rate=args.explore, seed=args.seed),
-        refresh_pool=Path(args.refresh_pool) if args.refresh_pool else None, seed=args.seed)
+        refresh_pool=Path(args.refresh_pool) if args.refresh_pool else None, seed=args.seed,
+        qa_hypothesis=args.qa_hypothesis)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -239,6 +241,8 @@ def _generator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-latency-s", type=float, default=3.0, help="per repair action (paper: 3 s)")
     p.add_argument("--budget-mem-mib", type=float, default=6.0, help="per repair action (paper: 6 MB)")
     p.add_argument("--budget-preset", choices=["paper", "stringent", "relaxed"], default=None)
+    p.add_argument("--qa-hypothesis", default="bare", choices=["bare", "question_answer", "statement"],
+                   help="QA: how a short answer becomes the NLI hypothesis of e_r (see README)")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ from enum import Enum
 
 import numpy as np
 
+from d2r_edge.hypothesis import HypothesisForm, hypothesis
 from d2r_edge.signals import Entailment, FailureType, KGStatus
 
 
@@ -81,10 +82,16 @@ GATED = (FailureType.INSUFFICIENT_EVIDENCE, FailureType.LABEL_EVIDENCE_MISMATCH)
 
 
 class Diagnoser:
-    """Runs the signals: 2k NLI pairs in one batched call, then the KG check."""
+    """Runs the signals: 2k NLI pairs in one batched call, then the KG check.
 
-    def __init__(self, nli, kg_checker) -> None:
+    For QA the response is a short answer; `qa_hypothesis` says how it becomes the
+    hypothesis the NLI judges (see d2r_edge/hypothesis.py). FEVER responses are
+    evidence sentences and are judged as they are.
+    """
+
+    def __init__(self, nli, kg_checker, qa_hypothesis: HypothesisForm = HypothesisForm.BARE) -> None:
         self.nli, self.kg = nli, kg_checker
+        self.qa_hypothesis = HypothesisForm(qa_hypothesis)
         self.labels = [Entailment(name.lower()) for name in nli.labels]
 
     def _states(self, probs: np.ndarray) -> list[Entailment]:
@@ -93,8 +100,11 @@ class Diagnoser:
     def diagnose(self, query: str, passages: list[str], response: str, label: Label | None,
                  fact_verification: bool) -> Diagnosis:
         k = len(passages)
+        hyp = response or ""
+        if not fact_verification:
+            hyp = hypothesis(self.qa_hypothesis, query, hyp)
         if k:
-            pairs = [(p, query) for p in passages] + [(p, response or "") for p in passages]
+            pairs = [(p, query) for p in passages] + [(p, hyp) for p in passages]
             probs = self.nli.score(pairs)
             pq, pr = probs[:k], probs[k:]
         else:

@@ -221,10 +221,19 @@ def markdown(summary: dict) -> str:
               "passages (the NLI, no LLM judge). Repaired: share of queries given a repair.", ""]
     if summary.get("best_fixed_arm"):
         lines.append(f"best_fixed uses `{summary['best_fixed_arm']}` (best mean reward on the training queries).")
+    forms = summary.get("hypothesis_forms_on_train")
+    if forms:
+        lines += ["", f"## QA: the answer as NLI hypothesis (training queries; this run used "
+                      f"`{summary['qa_hypothesis']}`)", ""]
+        lines += _table(["form", "right answers", "entailed if right", "wrong answers", "entailed if wrong",
+                         "balanced accuracy"],
+                        [[f, str(v["right"]), _pct(v["entailed_if_right"]), str(v["wrong"]),
+                          _pct(v["entailed_if_wrong"]), _num(v["balanced_accuracy"], ".3f")] for f, v in forms.items()])
     d = summary["diagnosis"]
     lines += ["", "## Table 4: diagnosis", ""]
     lines += _table(["first-pass failure", "queries", "share", "first answer right"],
-                    [[k, str(v["n"]), _pct(v["share"]), _pct(v["first_accuracy"])] for k, v in d["failure_types"].items()])
+                    [[k, str(v["n"]), _pct(v["share"]), _pct(v["first_accuracy"])]
+                     for k, v in d["failure_types"].items()])
     ie = d["insufficient_vs_no_gold_retrieved"]
     lines += ["", f"insufficient_evidence vs 'no gold passage retrieved': precision {_num(ie['precision'], '.2f')}, "
               f"recall {_num(ie['recall'], '.2f')} ({ie['n_no_gold_retrieved']} queries without gold in the first "

@@ -15,7 +15,7 @@ import numpy as np
 
 from d2r_edge.eval.datasets import GoldQuery, fever_evidence, musique_paragraphs, paragraphs, write_docs
 from d2r_edge.retrieval.kb import KnowledgeBase
-from d2r_edge.retrieval.retriever import RetrievalConfig, Retriever, RetrieverKind
+from d2r_edge.retrieval.retriever import Retriever
 
 log = logging.getLogger(__name__)
 KS = (5, 10, 20)
