@@ -181,4 +181,28 @@ def summary(records: list[dict]) -> str:
         over = sum(x["over_budget"] for x in rep)
         lines.append(f"repair latency p50 {np.percentile(lat, 50):.3f} s, p95 {np.percentile(lat, 95):.3f} s; "
                      f"budget violations {over}/{len(rep)}; memory kind {rep[0]['memory_kind']}")
+    lines += _repairs(ok)
     return "\n".join(lines)
+
+
+def _clip(text, n: int = 60) -> str:
+    text = " ".join(str(text or "").split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _repairs(records: list[dict], show: int = 8) -> list[str]:
+    """What the repairs did: answer before and after, and whether that was right."""
+    rep = [r for r in records if r.get("repair")]
+    if not rep:
+        return []
+    mark = {True: "right", False: "wrong", None: "no gold"}
+    changed = [r for r in rep if r["first_answer"] != r["final_answer"]]
+    fixed = sum(1 for r in rep if r.get("first_correct") is False and r.get("final_correct") is True)
+    broken = sum(1 for r in rep if r.get("first_correct") is True and r.get("final_correct") is False)
+    out = [f"repairs: {len(rep)} ({len(changed)} changed the answer; {fixed} wrong -> right, {broken} right -> wrong)"]
+    for r in (changed + [r for r in rep if r not in changed])[:show]:
+        final = r["final"]["failure"]
+        out.append(f"  {r['id']}: {r['failure']} -> {r['repair']['arm']} -> {final}; "
+                   f"{_clip(r['first_answer'])!r} ({mark[r.get('first_correct')]}) -> "
+                   f"{_clip(r['final_answer'])!r} ({mark[r.get('final_correct')]})")
+    return out

@@ -121,3 +121,36 @@ def test_unverified_rule():
     assert allowed_arms(True).tolist() == [True] * 8 + [False] * 3
     assert allowed_arms(False).all()
     assert allowed_arms(True, restrict_unverified=False).all()   # QA (reference HotpotQA scripts)
+
+
+def test_qa_hypothesis_forms_reach_the_nli():
+    from d2r_edge.hypothesis import HypothesisForm, hypothesis, statement
+
+    assert statement("Which band released Abbey Road?", "The Beatles") == "The Beatles released Abbey Road."
+    assert statement("What is the capital of France?", "Paris") == "the capital of France is Paris."
+    assert statement("Who directed Jaws?", "Steven Spielberg") == "Steven Spielberg directed Jaws."
+    assert statement("Are A and B both poets?", "yes") == 'The answer to "Are A and B both poets?" is yes.'
+    assert hypothesis(HypothesisForm.QUESTION_ANSWER, "Who directed Jaws?", "Spielberg") == \
+        "Who directed Jaws? Spielberg"
+    assert hypothesis(HypothesisForm.STATEMENT, "Who directed Jaws?", "") == ""
+
+    class Recorder:
+        labels = ["entailment", "neutral", "contradiction"]
+
+        def __init__(self):
+            self.pairs = []
+
+        def score(self, pairs):
+            self.pairs.extend(pairs)
+            return np.tile(np.array([[1.0, 0, 0]], dtype=np.float32), (len(pairs), 1))
+
+    for form, want in ((HypothesisForm.BARE, "Spielberg"),
+                       (HypothesisForm.STATEMENT, "Spielberg directed Jaws.")):
+        nli = Recorder()
+        Diagnoser(nli, StubKG(KGStatus.MISSING), form).diagnose("Who directed Jaws?", ["p"], "Spielberg", None, False)
+        assert nli.pairs == [("p", "Who directed Jaws?"), ("p", want)]
+    # FEVER responses are evidence sentences: judged as they are, whatever the QA form
+    nli = Recorder()
+    Diagnoser(nli, StubKG(KGStatus.MISSING), HypothesisForm.STATEMENT).diagnose(
+        "claim", ["p"], "evidence.", Label.SUPPORTS, True)
+    assert nli.pairs[1] == ("p", "evidence.")

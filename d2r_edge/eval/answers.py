@@ -56,7 +56,7 @@ class Method(str, Enum):
 class PolicySpec:
     kind: str
     reward: RewardConfig = RewardConfig()
-    budget_preset: str | None = None       # None: the run's budget
+    budget_factor: float = 1.0             # x the run's budget (paper: stringent 0.7, relaxed 1.5)
 
 
 POLICY_METHODS = {
@@ -64,8 +64,8 @@ POLICY_METHODS = {
     Method.THOMPSON: PolicySpec("thompson"),
     Method.LINUCB_UNWEIGHTED: PolicySpec("linucb", RewardConfig(cost_weighting=False)),
     Method.LINUCB_UNCONSTRAINED: PolicySpec("linucb", RewardConfig(gates=False)),
-    Method.LINUCB_STRINGENT: PolicySpec("linucb", budget_preset="stringent"),
-    Method.LINUCB_RELAXED: PolicySpec("linucb", budget_preset="relaxed"),
+    Method.LINUCB_STRINGENT: PolicySpec("linucb", budget_factor=0.7),
+    Method.LINUCB_RELAXED: PolicySpec("linucb", budget_factor=1.5),
 }
 FIXED_ARMS = {Method.PARAPHRASE: "prompt_paraphrase", Method.EXPANSION: "dense_k20"}
 
@@ -255,10 +255,15 @@ def open_context(s: EvalSettings) -> Context:
     p.memo = store
     ctx = Context(s, p, store, gen, [q for qs in train_sets for q in qs.queries],
                   [q for qs in test_sets for q in qs.queries], kb.stats())
-    todo = ctx.train + ctx.test
-    for q in tqdm(todo, desc="first attempts + every allowed arm of failing queries", disable=None):
+    # every allowed arm of a failing query: on the test queries for the oracle and the arm
+    # table, on the training queries for best_fixed; the policies pick among the same outcomes
+    every_arm = set(q.id for q in ctx.test)
+    if Method.BEST_FIXED in s.methods:
+        every_arm |= {q.id for q in ctx.train}
+    for q in tqdm(ctx.train + ctx.test, desc="first attempts + every allowed arm of failing queries",
+                  disable=None):
         first = ctx.first(q)
-        if first.diagnosis.failure is FailureType.NO_FAILURE:
+        if first.diagnosis.failure is FailureType.NO_FAILURE or q.id not in every_arm:
             continue
         for arm in np.flatnonzero(ctx.allowed(first)):
             ctx.arm_outcome(q, int(arm))

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from d2r_edge.config import BUDGET_PRESETS, Budget
+from d2r_edge.config import Budget
 from d2r_edge.eval.answers import FIXED_ARMS, POLICY_METHODS, Context, EvalQuery, Method
 from d2r_edge.repair import ARM_NAMES, ARMS
 from d2r_edge.runner import RecordLog
@@ -104,7 +104,7 @@ def policy_pipeline(ctx: Context, method: Method):
 
     spec = POLICY_METHODS[method]
     base = ctx.pipeline
-    budget = BUDGET_PRESETS[spec.budget_preset] if spec.budget_preset else base.budget
+    budget = base.budget.scaled(spec.budget_factor) if spec.budget_factor != 1.0 else base.budget
     run = replace(ctx.settings.run, policy_kind=spec.kind, policy_path=None)
     policy, costs = load_policy(run, base.context.dim)
     return replace(base, policy=policy, costs=costs, budget=budget, reward_cfg=spec.reward, explorer=None)

@@ -296,7 +296,7 @@ def figures(summary: dict, out: Path) -> list[Path]:
         ax.plot([f for f, _ in presets], [summary["methods"][m][key] for _, m in presets], marker="o", label="linucb")
         if "naive" in summary["methods"]:
             ax.axhline(summary["methods"]["naive"][key], color="grey", ls="--", label="naive")
-        ax.set_xlabel("budget (x paper's 3 s / 6 MB)")
+        ax.set_xlabel("budget (x the run's latency / memory budget)")
         ax.set_ylabel(key)
         ax.legend()
         ax.set_title("Accuracy vs budget preset")
