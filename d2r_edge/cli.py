@@ -158,7 +158,8 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
     s = EvalSettings(task=Task(args.task), train=tuple(map(Path, args.train)), test=tuple(map(Path, args.test)),
                      models=Path(args.models), out=out, train_limit=args.train_limit, test_limit=args.test_limit,
                      split=Split(args.split), methods=methods, extra_docs=tuple(map(Path, args.extra_docs)),
-                     run=run, epochs=args.epochs, bootstrap_resamples=args.bootstrap)
+                     run=run, epochs=args.epochs, bootstrap_resamples=args.bootstrap,
+                     generation_cache=Path(args.generation_cache) if args.generation_cache else None)
     evaluate(s)
     print((out / "report.md").read_text(encoding="utf-8"))
     print(f"report: {out / 'report.md'}; machine-readable: {out / 'summary.json'}")
@@ -316,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="more KB documents (JSONL id, title, text), e.g. distractors")
     p.add_argument("--epochs", type=int, default=2, help="policy training passes (paper: 2)")
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples for the intervals")
+    p.add_argument("--generation-cache", default=None, metavar="FILE",
+                   help="generator answers by request (default OUT/generations.jsonl); point two "
+                        "evaluations of the same generator at one file to share the LLM calls")
     _generator_args(p)
     p.add_argument("--alpha", type=float, default=2.0, help="LinUCB exploration (paper: 2)")
     p.add_argument("--seed", type=int, default=0)

@@ -46,7 +46,8 @@ STAGES = ("embed_query_s", "refresh_s", "retrieve_s", "generate_s", "diagnose_s"
 class AttemptMemo(Protocol):
     """Outcomes of (query, effective config) computed once and reused (`d2r-edge eval answers`)."""
 
-    def get(self, query: str, cfg: PipelineConfig) -> tuple[Attempt, Measurement | None] | None:
+    def get(self, query: str, cfg: PipelineConfig, metered: bool) -> tuple[Attempt, Measurement | None] | None:
+        """The stored attempt; with `metered`, only one stored with its measured cost."""
         ...
 
     def put(self, query: str, cfg: PipelineConfig, attempt: Attempt, cost: Measurement | None) -> None:
@@ -85,8 +86,8 @@ class Pipeline:
         """One attempt with its measured cost; from the memo when it has this (query, config)."""
         cfg = self.effective(cfg)
         if self.memo is not None:
-            hit = self.memo.get(query, cfg)
-            if hit is not None and (hit[1] is not None or not metered):
+            hit = self.memo.get(query, cfg, metered)
+            if hit is not None:
                 return hit
         if metered:
             with self.meter.measure() as m:

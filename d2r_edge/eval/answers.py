@@ -99,6 +99,7 @@ class EvalSettings:
     run: object = None                     # app.RunSettings template: generator, budgets, seed, models
     epochs: int = 2
     bootstrap_resamples: int = 10_000
+    generation_cache: Path | None = None   # default OUT/generations.jsonl; share it between evaluations
 
 
 # --- queries and the knowledge base ---------------------------------------------------
@@ -249,7 +250,7 @@ def open_context(s: EvalSettings) -> Context:
     kb = build_kb(s, train_sets + test_sets, embedder)
     p = build_pipeline(run)
     p.retriever = _MemoRetriever(p.retriever.kb, p.retriever.embedder, p.retriever.reranker)
-    gen = CachedGenerator(p.generator, s.out / "generations.jsonl")
+    gen = CachedGenerator(p.generator, s.generation_cache or s.out / "generations.jsonl")
     p.generator, p.refresh = gen, None
     store = AttemptStore(s.out / "attempts.jsonl", p.retriever.kb.chunks)
     p.memo = store

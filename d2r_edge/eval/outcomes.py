@@ -87,23 +87,22 @@ class AttemptStore:
     def __init__(self, path: Path, chunks: list[dict]) -> None:
         self.chunks = chunks
         self.log = RecordLog(path)
-        self._rows: dict[tuple[str, str], dict] = {}
+        # (query, config, metered): an attempt first computed unmetered (a first attempt) and
+        # later asked for with its cost (an arm with the same effective config) is kept twice,
+        # so the first attempt every method sees never changes
+        self._rows: dict[tuple[str, str, bool], dict] = {}
         for row in self.log.records:
-            self._rows[(row["query"], row["config"])] = row   # a later line (metered) wins
+            self._rows[(row["query"], row["config"], row["cost"] is not None)] = row
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
         return len(self._rows)
 
-    def has(self, query: str, cfg: PipelineConfig, metered: bool = False) -> bool:
-        row = self._rows.get((query, config_key(cfg)))
-        return row is not None and (row["cost"] is not None or not metered)
-
-    def row(self, query: str, cfg: PipelineConfig) -> dict | None:
-        return self._rows.get((query, config_key(cfg)))
-
-    def get(self, query: str, cfg: PipelineConfig) -> tuple[Attempt, Measurement | None] | None:
-        row = self._rows.get((query, config_key(cfg)))
+    def get(self, query: str, cfg: PipelineConfig, metered: bool) -> tuple[Attempt, Measurement | None] | None:
+        key = config_key(cfg)
+        row = self._rows.get((query, key, True))
+        if not metered:
+            row = self._rows.get((query, key, False)) or row
         if row is None:
             self.misses += 1
             return None
@@ -113,7 +112,7 @@ class AttemptStore:
     def put(self, query: str, cfg: PipelineConfig, attempt: Attempt, cost: Measurement | None) -> None:
         row = {"query": query, "config": config_key(cfg), "attempt": attempt_to_json(attempt),
                "cost": cost_to_json(cost)}
-        self._rows[(query, row["config"])] = row
+        self._rows[(query, row["config"], cost is not None)] = row
         self.log.append(row)
 
     def close(self) -> None:
