@@ -92,3 +92,28 @@ def test_fever_claims_through_a_real_server(server, tiny_models, shared_data, tm
     assert all(r["error"] is None for r in log.records), [r["error"] for r in log.records]
     labels = [r["first"]["label"] for r in log.records]
     assert any(lab in ("SUPPORTS", "REFUTES", "NOT ENOUGH INFO") for lab in labels), labels
+
+
+def test_eval_answers_qa_through_a_real_server(server, tiny_models, shared_data, tmp_path):
+    """The answer evaluation end to end with a real LLM: every method's records, the
+    generator cache holding each request once, and a rerun that asks the server nothing."""
+    from d2r_edge.cli import main
+
+    src = shared_data / "hotpotqa" / "dev.jsonl"
+    q = tmp_path / "hotpot.jsonl"
+    q.write_text("".join(list(open(src, encoding="utf-8"))[:40]), encoding="utf-8")
+    out = tmp_path / "out"
+    argv = ["eval", "answers", "--task", "qa", "--train", str(q), "--test", str(q), "--split", "all",
+            "--train-limit", "3", "--test-limit", "5", "--models", str(tiny_models), "--allow-random-weights",
+            "--generator", "openai", "--base-url", server, "--model", "smollm2", "--timeout-s", "120",
+            "--methods", "naive,expansion,linucb,oracle", "--bootstrap", "200", "--out", str(out)]
+    assert main(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["n_test"] == 5 and set(s["methods"]) == {"naive", "expansion", "linucb", "oracle"}
+    assert {"em", "f1"} <= set(s["methods"]["naive"])
+    assert "hypothesis_forms_on_train" in s
+    gens = [json.loads(line)["key"] for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert gens and len(gens) == len(set(gens))
+    before = (out / "generations.jsonl").read_bytes()
+    assert main(argv) == 0
+    assert (out / "generations.jsonl").read_bytes() == before

@@ -61,7 +61,7 @@ def diagnosis_table(ctx: Context) -> dict:
     """Table 4: failure types of the first attempts, and how they agree with the gold evidence."""
     by_type: dict = defaultdict(lambda: {"n": 0, "first_correct": 0})
     signal: dict = defaultdict(lambda: [0, 0])
-    ie_tp = ie_fp = ie_fn = 0
+    ie_tp = ie_fp = ie_fn = ie_nogold = 0
     for q in ctx.test:
         a = ctx.first(q)
         d = a.diagnosis
@@ -71,9 +71,10 @@ def diagnosis_table(ctx: Context) -> dict:
         t["first_correct"] += ok
         for name, val in (("e_q", d.e_q.value), ("e_r", d.e_r.value), ("kg", d.kg.value)):
             signal[f"{name}={val}"][0 if ok else 1] += 1
+        ie = d.failure is FailureType.INSUFFICIENT_EVIDENCE
+        ie_nogold += ie and not q.gold_doc_ids
         if q.gold_doc_ids:
             missing = not (q.gold_doc_ids & {p.doc_id for p in a.passages})
-            ie = d.failure is FailureType.INSUFFICIENT_EVIDENCE
             ie_tp += ie and missing
             ie_fp += ie and not missing
             ie_fn += missing and not ie
@@ -85,7 +86,10 @@ def diagnosis_table(ctx: Context) -> dict:
             "insufficient_vs_no_gold_retrieved": {
                 "precision": ie_tp / (ie_tp + ie_fp) if ie_tp + ie_fp else None,
                 "recall": ie_tp / (ie_tp + ie_fn) if ie_tp + ie_fn else None,
-                "n_no_gold_retrieved": ie_tp + ie_fn, "n_diagnosed_insufficient": ie_tp + ie_fp}}
+                "n_no_gold_retrieved": ie_tp + ie_fn, "n_diagnosed_insufficient": ie_tp + ie_fp,
+                "n_with_gold": sum(1 for q in ctx.test if q.gold_doc_ids),
+                "diagnosed_insufficient_with_gold_retrieved": ie_fp,
+                "diagnosed_insufficient_without_gold_evidence": ie_nogold}}
 
 
 def arm_table(ctx: Context) -> dict:
@@ -105,8 +109,8 @@ def arm_table(ctx: Context) -> dict:
             cell = out[ft.value].setdefault(ARM_NAMES[arm], {"n": 0, "first": 0, "after": 0, "fixed": 0,
                                                             "broken": 0, "latency_s": []})
             cell["n"] += 1
-            cell["first"] += c0
-            cell["after"] += c1
+            cell["first"] += int(c0)
+            cell["after"] += int(c1)
             cell["fixed"] += c1 > c0
             cell["broken"] += c1 < c0
             cell["latency_s"].append(cost.latency_s)
@@ -168,14 +172,25 @@ def findings(summary: dict) -> list[str]:
     ie = diag["insufficient_vs_no_gold_retrieved"]
     types = diag["failure_types"]
     n_fail = sum(v["n"] for k, v in types.items() if k != "no_failure")
-    out.append(f"- {n_fail} of {summary['n_test']} first answers were diagnosed as failures "
+    out.append(f"- {n_fail} of {summary['n_test']} first answers were diagnosed as failures; by type: "
                + ", ".join(f"{k} {v['n']} (first answer right in {100 * v['first_accuracy']:.0f}%)"
                            for k, v in types.items()) + ".")
     if ie["recall"] is not None or ie["precision"] is not None:
-        out.append(f"- The gold evidence was missing from the first retrieval for {ie['n_no_gold_retrieved']} "
-                   f"queries; insufficient_evidence was diagnosed {ie['n_diagnosed_insufficient']} times "
-                   f"(precision {_num(ie['precision'], '.2f')}, recall {_num(ie['recall'], '.2f')} against "
-                   f"'no gold passage retrieved').")
+        out.append(f"- Of the {ie['n_with_gold']} queries with gold evidence, the first retrieval missed it for "
+                   f"{ie['n_no_gold_retrieved']}; insufficient_evidence was diagnosed for "
+                   f"{ie['n_diagnosed_insufficient']} of them (precision {_num(ie['precision'], '.2f')}, recall "
+                   f"{_num(ie['recall'], '.2f')} against 'no gold passage retrieved'): "
+                   f"{ie['diagnosed_insufficient_with_gold_retrieved']} times the gold evidence was among the "
+                   f"passages and the NLI judged all of them neutral, so a retrieval arm had nothing to add.")
+    if ie.get("diagnosed_insufficient_without_gold_evidence"):
+        out.append(f"- insufficient_evidence on {ie['diagnosed_insufficient_without_gold_evidence']} queries that "
+                   f"have no gold evidence at all (FEVER NOT ENOUGH INFO): there the diagnosis is right and "
+                   f"UNVERIFIED is the right answer; a repair can only lose it.")
+    same = [m for m in ms if m.startswith("linucb_") and ms[m][key] == ms.get("linucb", {}).get(key)
+            and ms[m]["arms"] == ms["linucb"]["arms"]] if "linucb" in ms else []
+    for m in same:
+        out.append(f"- `{m}` made the same choices as `linucb`: no arm came near the budget "
+                   f"(violations {ms['linucb']['budget_violations_pct']:.1f}%), so the ablated term never acted.")
     for ft, cells in summary["arms_by_failure"].items():
         if not cells:
             continue
@@ -235,9 +250,10 @@ def markdown(summary: dict) -> str:
                     [[k, str(v["n"]), _pct(v["share"]), _pct(v["first_accuracy"])]
                      for k, v in d["failure_types"].items()])
     ie = d["insufficient_vs_no_gold_retrieved"]
-    lines += ["", f"insufficient_evidence vs 'no gold passage retrieved': precision {_num(ie['precision'], '.2f')}, "
-              f"recall {_num(ie['recall'], '.2f')} ({ie['n_no_gold_retrieved']} queries without gold in the first "
-              f"retrieval, {ie['n_diagnosed_insufficient']} diagnosed insufficient).", ""]
+    lines += ["", f"insufficient_evidence vs 'no gold passage retrieved', over the {ie['n_with_gold']} queries "
+              f"with gold evidence: precision {_num(ie['precision'], '.2f')}, recall {_num(ie['recall'], '.2f')} "
+              f"({ie['n_no_gold_retrieved']} without gold in the first retrieval, {ie['n_diagnosed_insufficient']} "
+              f"diagnosed insufficient).", ""]
     lines += _table(["signal", "first answer right", "wrong"],
                     [[k, str(v["correct"]), str(v["incorrect"])] for k, v in d["signals"].items()])
     lines += ["", "## Arms by failure type (failing test queries, every allowed arm)", ""]
