@@ -7,6 +7,7 @@ from d2r_edge.budget import CostModel, Meter
 from d2r_edge.config import Budget, ContextConfig, RewardConfig
 from d2r_edge.diagnose import Diagnoser, Diagnosis, Label
 from d2r_edge.errors import D2RError
+from d2r_edge.hypothesis import HypothesisForm
 from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
 from d2r_edge.onnx.manifest import Manifest, Role, Variant, load_manifest
 from d2r_edge.onnx.seq2seq import Triple, Triples
@@ -20,7 +21,7 @@ from d2r_edge.tasks import Task
 
 __all__ = [
     "ARMS", "Arm", "Budget", "ContextConfig", "CostModel", "CrossEncoder", "D2RError", "Diagnoser",
-    "Diagnosis", "Embedder", "Entailment", "FailureType", "KGStatus", "KnowledgeBase", "LinUCB", "Label",
+    "Diagnosis", "Embedder", "Entailment", "FailureType", "HypothesisForm", "KGStatus", "KnowledgeBase", "LinUCB", "Label",
     "Manifest", "Meter", "NLI", "Pipeline", "PipelineConfig", "RetrievalConfig", "Retriever",
     "RewardConfig", "Role", "Task", "ThompsonSampling", "Triple", "Triples", "Variant", "load_manifest",
     "reward",

@@ -101,6 +101,20 @@ class EvalSettings:
     bootstrap_resamples: int = 10_000
     generation_cache: Path | None = None   # default OUT/generations.jsonl; share it between evaluations
 
+    def __post_init__(self) -> None:
+        if not self.train or not self.test:
+            raise InputError("eval answers needs at least one --train and one --test file")
+        for name in ("train_limit", "test_limit"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InputError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise InputError(f"--epochs must be an integer >= 1, got {self.epochs!r}")
+        if not isinstance(self.bootstrap_resamples, int) or self.bootstrap_resamples < 100:
+            raise InputError(f"--bootstrap must be an integer >= 100, got {self.bootstrap_resamples!r}")
+        if self.run is None:
+            raise InputError("EvalSettings.run must be a RunSettings (generator, budgets, seed)")
+
 
 # --- queries and the knowledge base ---------------------------------------------------
 
@@ -258,7 +272,7 @@ def open_context(s: EvalSettings) -> Context:
                   [q for qs in test_sets for q in qs.queries], kb.stats())
     # every allowed arm of a failing query: on the test queries for the oracle and the arm
     # table, on the training queries for best_fixed; the policies pick among the same outcomes
-    every_arm = set(q.id for q in ctx.test)
+    every_arm = {q.id for q in ctx.test} if Method.ORACLE in s.methods else set()
     if Method.BEST_FIXED in s.methods:
         every_arm |= {q.id for q in ctx.train}
     for q in tqdm(ctx.train + ctx.test, desc="first attempts + every allowed arm of failing queries",

@@ -141,7 +141,9 @@ def summarize(ctx: Context, records: dict[str, list[dict]], extra: dict) -> dict
     return {"task": ctx.settings.task.value, "n_test": len(ctx.test), "n_train": len(ctx.train), **extra,
             "refresh_arms": REFRESH_NOTE,
             "methods": {m: method_metrics(ctx, recs, naive) for m, recs in records.items()},
-            "diagnosis": diagnosis_table(ctx), "arms_by_failure": arm_table(ctx),
+            "diagnosis": diagnosis_table(ctx),
+            # every arm on every failing test query: computed for the oracle, so only with it
+            "arms_by_failure": arm_table(ctx) if Method.ORACLE.value in records else {},
             "policy_picks": policy_picks(records)}
 
 
