@@ -49,7 +49,7 @@ class RunSettings:
     query_dim: int | None = 128
     refresh_pool: Path | None = None
     seed: int = 0
-    qa_hypothesis: HypothesisForm = HypothesisForm.BARE
+    qa_hypothesis: HypothesisForm = HypothesisForm.STATEMENT
 
 
 def costs_path(policy_path: Path) -> Path:

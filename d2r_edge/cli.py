@@ -242,7 +242,7 @@ def _generator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-latency-s", type=float, default=3.0, help="per repair action (paper: 3 s)")
     p.add_argument("--budget-mem-mib", type=float, default=6.0, help="per repair action (paper: 6 MB)")
     p.add_argument("--budget-preset", choices=["paper", "stringent", "relaxed"], default=None)
-    p.add_argument("--qa-hypothesis", default="bare", choices=["bare", "question_answer", "statement"],
+    p.add_argument("--qa-hypothesis", default="statement", choices=["bare", "question_answer", "statement"],
                    help="QA: how a short answer becomes the NLI hypothesis of e_r (see README)")
 
 

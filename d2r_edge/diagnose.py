@@ -89,7 +89,7 @@ class Diagnoser:
     evidence sentences and are judged as they are.
     """
 
-    def __init__(self, nli, kg_checker, qa_hypothesis: HypothesisForm = HypothesisForm.BARE) -> None:
+    def __init__(self, nli, kg_checker, qa_hypothesis: HypothesisForm = HypothesisForm.STATEMENT) -> None:
         self.nli, self.kg = nli, kg_checker
         self.qa_hypothesis = HypothesisForm(qa_hypothesis)
         self.labels = [Entailment(name.lower()) for name in nli.labels]

@@ -8,7 +8,10 @@ correct short answer is rarely "entailed" by its passage. The forms:
   ("Which band released Abbey Road?" + "The Beatles" -> "The Beatles released
   Abbey Road."), falling back to "The answer to "<question>" is <answer>.".
 Which form separates right from wrong answers best is measured, not assumed
-(`d2r-edge eval answers --task qa` reports it on the training queries).
+(`d2r-edge eval answers --task qa` reports it on the training queries). On the
+first answers of Qwen2.5-0.5B to 68 held-out HotpotQA (IRCoT) questions, with the
+offline NLI, the share entailed was right 14% / wrong 9% (bare), 100% / 100%
+(question_answer) and 71% / 57% (statement): `statement` is the default.
 """
 
 from __future__ import annotations

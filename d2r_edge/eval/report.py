@@ -184,10 +184,14 @@ def findings(summary: dict) -> list[str]:
                    f"{_num(ie['recall'], '.2f')} against 'no gold passage retrieved'): "
                    f"{ie['diagnosed_insufficient_with_gold_retrieved']} times the gold evidence was among the "
                    f"passages and the NLI judged all of them neutral, so a retrieval arm had nothing to add.")
-    if ie.get("diagnosed_insufficient_without_gold_evidence"):
-        out.append(f"- insufficient_evidence on {ie['diagnosed_insufficient_without_gold_evidence']} queries that "
-                   f"have no gold evidence at all (FEVER NOT ENOUGH INFO): there the diagnosis is right and "
-                   f"UNVERIFIED is the right answer; a repair can only lose it.")
+    n_nogold = ie.get("diagnosed_insufficient_without_gold_evidence")
+    if n_nogold and fever:
+        out.append(f"- insufficient_evidence on {n_nogold} claims that have no gold evidence at all (FEVER NOT "
+                   f"ENOUGH INFO): there the diagnosis is right and UNVERIFIED is the right answer; a repair "
+                   f"can only lose it.")
+    elif n_nogold:
+        out.append(f"- insufficient_evidence on {n_nogold} questions whose gold paragraphs are not in the "
+                   f"knowledge base (no gold evidence to retrieve).")
     same = [m for m in ms if m.startswith("linucb_") and ms[m][key] == ms.get("linucb", {}).get(key)
             and ms[m]["arms"] == ms["linucb"]["arms"]] if "linucb" in ms else []
     for m in same:
