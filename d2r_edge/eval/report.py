@@ -222,6 +222,10 @@ def markdown(summary: dict) -> str:
         lines.append("FEVER accuracy is 3-way; UNVERIFIED (D2R's evidence-gated label) counts as NOT ENOUGH INFO.")
     else:
         lines.append("EM and F1 use SQuAD normalization, against the gold answer and its aliases.")
+    if summary.get("generator_cache_hits"):
+        lines.append(f"Latency caveat: {summary['generator_cache_hits']} generator answers were replayed from the "
+                     f"generation cache in this run; the latency of those attempts does not include the "
+                     f"generator's time (accuracy columns are unaffected).")
     lines += ["Differences to `naive` are paired over the same queries, with a 95% bootstrap interval.",
               f"{summary['refresh_arms'][0].upper()}{summary['refresh_arms'][1:]}.", "", "## Table 1", ""]
     head = (["method", "ACC", "macro-F1"] if fever else ["method", "EM", "F1"]) + [
