@@ -21,7 +21,8 @@ from d2r_edge.tasks import Task
 
 __all__ = [
     "ARMS", "Arm", "Budget", "ContextConfig", "CostModel", "CrossEncoder", "D2RError", "Diagnoser",
-    "Diagnosis", "Embedder", "Entailment", "FailureType", "HypothesisForm", "KGStatus", "KnowledgeBase", "LinUCB", "Label",
+    "Diagnosis", "Embedder", "Entailment", "FailureType", "HypothesisForm", "KGStatus", "KnowledgeBase",
+    "LinUCB", "Label",
     "Manifest", "Meter", "NLI", "Pipeline", "PipelineConfig", "RetrievalConfig", "Retriever",
     "RewardConfig", "Role", "Task", "ThompsonSampling", "Triple", "Triples", "Variant", "load_manifest",
     "reward",

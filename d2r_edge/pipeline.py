@@ -95,6 +95,11 @@ class Pipeline:
             cost = m.result
         else:
             a, cost = self.attempt(query, cfg, query_vec), None
+        replayed = a.generation.replayed_s
+        if replayed > 0:   # a cached generator answer: count the time the real call took
+            a.timings_s["generate_s"] += replayed
+            if cost is not None:
+                cost = replace(cost, latency_s=cost.latency_s + replayed)
         if self.memo is not None:
             self.memo.put(query, cfg, a, cost)
         return a, cost

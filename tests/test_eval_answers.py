@@ -209,3 +209,47 @@ def test_qa_layouts_load_with_gold_and_aliases(shared_data):
         ids = {d.id for d in qs.documents}
         for q in qs.queries:
             assert q.answers and q.gold_doc_ids and q.gold_doc_ids <= ids, (name, q.id)
+
+
+def test_replayed_generations_keep_the_generators_cost(tmp_path):
+    """A cached answer is free to replay, but the attempt's metered latency must still be the
+    generator's: budgets, rewards and the report read it."""
+    from d2r_edge.budget import Meter
+    from d2r_edge.diagnose import Diagnosis
+    from d2r_edge.eval.outcomes import CachedGenerator
+    from d2r_edge.generate.base import Generation
+    from d2r_edge.pipeline import Pipeline
+    from d2r_edge.repair import PipelineConfig
+    from d2r_edge.signals import Entailment, FailureType, KGStatus
+    from d2r_edge.tasks import Task
+
+    class Slow:
+        name, model = "slow", "m"
+
+        def generate(self, task, style, query, passages):
+            time.sleep(0.2)
+            return Generation("Paris", None, '{"answer": "Paris"}')
+
+    class NoRetrieval:
+        def retrieve(self, query, cfg, vec=None):
+            return []
+
+    class Fixed:
+        def diagnose(self, *a):
+            return Diagnosis(FailureType.NO_FAILURE, Entailment.ENTAILMENT, Entailment.ENTAILMENT,
+                             KGStatus.NO_TRIPLETS, None, None)
+
+    gen = CachedGenerator(Slow(), tmp_path / "g.jsonl")
+    p = Pipeline(Task.QA, NoRetrieval(), gen, Fixed(), None, None, None, Meter())
+    live, live_cost = p.metered_attempt("q", PipelineConfig())
+    again, again_cost = p.metered_attempt("q", PipelineConfig())
+    assert gen.calls == 1 and gen.hits == 1
+    assert again.generation.response == "Paris" and again.generation.replayed_s >= 0.2
+    assert again_cost.latency_s >= 0.2 and again.timings_s["generate_s"] >= 0.2
+    assert abs(again_cost.latency_s - live_cost.latency_s) < 0.1
+    gen.close()
+    # a new process reads the recorded latency back from the cache file
+    reread = CachedGenerator(Slow(), tmp_path / "g.jsonl")
+    from d2r_edge.repair import PromptStyle
+
+    assert reread.generate(Task.QA, PromptStyle.SIMPLE, "q", []).replayed_s >= 0.2

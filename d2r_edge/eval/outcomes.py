@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 
 from d2r_edge.budget import Measurement, MemoryKind, MemorySource
@@ -143,11 +144,15 @@ class CachedGenerator:
         row = self._cache.get(key)
         if row is not None:
             self.hits += 1
-            return Generation(row["response"], _label(row["label"]), row["raw"])
+            # the replayed answer carries the time the real call took, so the attempt's
+            # metered cost stays the generator's cost (rows written before this have none)
+            return Generation(row["response"], _label(row["label"]), row["raw"],
+                              replayed_s=float(row.get("latency_s") or 0.0))
         self.calls += 1
+        t0 = time.perf_counter()
         gen = self.inner.generate(task, style, query, passages)
         row = {"key": key, "response": gen.response, "label": gen.label.value if gen.label else None,
-               "raw": gen.raw}
+               "raw": gen.raw, "latency_s": time.perf_counter() - t0}
         self._cache[key] = row
         self.log.append(row)
         return gen

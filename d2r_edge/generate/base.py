@@ -16,6 +16,7 @@ class Generation:
     response: str              # evidence text (fact verification) or the short answer (QA)
     label: Label | None        # fact verification only
     raw: str                   # what the generator returned, for the record
+    replayed_s: float = 0.0    # > 0: served from a cache; the time the original call took
 
 
 class Generator(Protocol):
