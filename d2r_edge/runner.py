@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import string
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,26 +102,15 @@ class RecordLog:
         self._fh.close()
 
 
-_PUNCT = str.maketrans("", "", string.punctuation)
-
-
-def normalize_answer(s: str) -> str:
-    s = s.lower().translate(_PUNCT)
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
-
-
 def correct(task: Task, q: dict, answer: str) -> bool | None:
+    """FEVER: 3-way label match (UNVERIFIED counts as NOT ENOUGH INFO); QA: SQuAD exact match."""
+    from d2r_edge.eval.metrics import exact_match, fever_label
+
     if task.fact_verification:
-        if not q.get("label"):
-            return None
-        gold = str(q["label"]).upper().replace("_", " ")
-        gold = "NOT ENOUGH INFO" if gold in ("NOTENOUGHINFO", "NEI") else gold
-        got = "NOT ENOUGH INFO" if answer == "UNVERIFIED" else answer
-        return got == gold
+        return fever_label(answer) == fever_label(q["label"]) if q.get("label") else None
     if not q.get("answer"):
         return None
-    return normalize_answer(answer) == normalize_answer(str(q["answer"]))
+    return exact_match(answer, [str(q["answer"])]) == 1.0
 
 
 def process(pipeline, queries: list[Query], out: Path, learn: bool, epoch: int | None = None,

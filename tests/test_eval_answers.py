@@ -18,21 +18,13 @@ from d2r_edge.errors import InputError
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_HASH_NLI = '''
-import hashlib
-import numpy as np
+_HASH_NLI = f'''
+import sys
+sys.path.insert(0, {str(ROOT / 'tests')!r})
 from d2r_edge.onnx.encoders import NLI
+from stand_ins import hash_nli_scores
 
-def _score(self, pairs):
-    out = []
-    for p, h in pairs:
-        v = np.frombuffer(hashlib.sha256(f"{p}|{h}".encode()).digest()[:12], dtype=np.uint32)
-        logits = (v % 1000) / 250.0
-        e = np.exp(logits - logits.max())
-        out.append(e / e.sum())
-    return np.asarray(out, dtype=np.float32).reshape(-1, 3)
-
-NLI.score = _score
+NLI.score = lambda self, pairs: hash_nli_scores(pairs)
 '''
 
 

@@ -220,6 +220,10 @@ class Context:
         return exact_match(answer, q.answers), token_f1(answer, q.answers)
 
 
+def _form(run) -> str:
+    return str(getattr(run.qa_hypothesis, "value", run.qa_hypothesis))
+
+
 def fingerprint(s: EvalSettings) -> dict:
     """What the stored attempts, policies and records depend on (the test slice may grow)."""
     from d2r_edge.onnx.manifest import sha256_file
@@ -229,7 +233,7 @@ def fingerprint(s: EvalSettings) -> dict:
     return {"task": s.task.value, "models_manifest_sha256": sha256_file(manifest) if manifest.is_file() else None,
             "variant": str(getattr(run.variant, "value", run.variant)), "generator": run.generator,
             "llm": run.model if run.generator == "openai" else None,
-            "qa_hypothesis": str(getattr(run.qa_hypothesis, "value", run.qa_hypothesis)),
+            "qa_hypothesis": _form(run),
             "budget": [run.budget.latency_s, run.budget.device_mem_mib], "alpha": run.alpha, "seed": run.seed,
             "query_dim": run.query_dim, "epochs": s.epochs, "split": s.split.value,
             "train": [str(p) for p in s.train], "train_limit": s.train_limit,
@@ -307,7 +311,7 @@ def evaluate(s: EvalSettings) -> dict:
         if Method.BEST_FIXED in s.methods:
             extra["best_fixed_arm"] = ARM_NAMES[best_fixed_arm(ctx)]
         if not s.task.fact_verification:
-            extra["qa_hypothesis"] = fingerprint(s)["qa_hypothesis"]
+            extra["qa_hypothesis"] = _form(run)
             extra["hypothesis_forms_on_train"] = hypothesis_forms(ctx)
         return write_report(ctx, records, extra)
     finally:

@@ -1,0 +1,18 @@
+"""Stand-ins shared by tests: a deterministic, varied NLI so every failure type and repair occur."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+
+def hash_nli_scores(pairs) -> np.ndarray:
+    """(premise, hypothesis) pairs -> 3-way probabilities from a hash of the pair."""
+    out = []
+    for p, h in pairs:
+        v = np.frombuffer(hashlib.sha256(f"{p}|{h}".encode()).digest()[:12], dtype=np.uint32)
+        logits = (v % 1000) / 250.0
+        e = np.exp(logits - logits.max())
+        out.append(e / e.sum())
+    return np.asarray(out, dtype=np.float32).reshape(-1, 3)
