@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import warnings
@@ -59,7 +60,8 @@ def _finetune_settings(args: argparse.Namespace):
 
     epochs = {} if args.epochs is None else {"nli_epochs": args.epochs, "rerank_epochs": args.epochs}
     return FinetuneSettings(max_train_pairs=args.max_train_pairs, seed=args.seed, nli_bf16=args.bf16,
-                            nli_augment=args.nli_augment, **epochs)
+                            nli_augment=args.nli_augment, nli_general_epochs=args.nli_general_epochs,
+                            nli_general_sources=args.nli_general_sources, **epochs)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -215,6 +217,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor_diagnose(args: argparse.Namespace) -> int:
+    from d2r_edge.doctor.commands import DiagnoseRequest, run_diagnose
+    from d2r_edge.doctor.parse import TrajectoryFormat
+    from d2r_edge.onnx.encoders import NLI
+    from d2r_edge.onnx.manifest import Variant, load_manifest
+
+    nli = NLI(load_manifest(Path(args.models)), variant=Variant(args.variant),
+              allow_random_weights=args.allow_random_weights)
+    req = DiagnoseRequest(Path(args.trajectories), Path(args.out), TrajectoryFormat(args.format), args.limit)
+    summary = run_diagnose(req, nli)
+    print(json.dumps({k: v for k, v in summary.items() if k != "skipped_lines"}, indent=1))
+    print(f"records: {args.out}; summary: {args.out}.summary.json")
+    return 0
+
+
 def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kb", required=True, help="knowledge-base directory (d2r-edge index build)")
     p.add_argument("--task", required=True, choices=["fever", "qa"])
@@ -274,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
                    help="offline NLI: bfloat16 autocast while fine-tuning (auto: where the CPU has "
                         "avx512_bf16/AMX, ~1.5x faster steps; the reranker always trains in fp32)")
+    p.add_argument("--nli-general-epochs", type=int, default=1,
+                   help="offline NLI: passes over the general NLI pairs (../shared/data/nli) before the "
+                        "FEVER/QA pairs; 0 skips that stage")
+    p.add_argument("--nli-general-sources", default="all",
+                   help="offline NLI: the general pairs' sources: all, all,-SOURCE,..., or SOURCE,SOURCE")
     p.add_argument("--no-nli-augment", dest="nli_augment", action="store_false",
                    help="offline NLI: no synthetic pairs (negation flips and number swaps of "
                         "training FEVER claims)")
@@ -325,6 +347,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     _model_args(p)
     p.set_defaults(func=cmd_eval_answers)
+
+    p = sub.add_parser("doctor", help="trajectory mode (Doctor-RAG): diagnose failed agent trajectories")
+    dr = p.add_subparsers(dest="what", required=True)
+    p = dr.add_parser("diagnose", help="error type and earliest failing step of each failed trajectory "
+                                       "(no LLM: the NLI and rules)")
+    p.add_argument("--trajectories", required=True, help="JSONL trajectories (ReAct-FEVER, Reflexion, "
+                                                         "FireAct, or the jsonl layout in the README)")
+    p.add_argument("--format", default="auto", choices=["auto", "react_fever", "reflexion", "fireact", "jsonl"])
+    p.add_argument("--out", required=True, help="JSONL, one record per failed trajectory; resumable")
+    p.add_argument("--limit", type=int, default=None, help="only the first N failed trajectories")
+    _model_args(p)
+    p.set_defaults(func=cmd_doctor_diagnose)
 
     p = sub.add_parser("run", help="answer queries with diagnose-and-repair; one JSON record per query")
     _run_args(p)

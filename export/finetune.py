@@ -56,6 +56,11 @@ class FinetuneSettings:
     # from the NLI +2.0 / -1.6 points of recall@3, so it starts from the base
     nli_init: str = "reranker"
     rerank_init: str = "base"
+    # NLI first stage: the general-domain pairs of ../shared/data/nli (export/nli_general.py),
+    # then the FEVER/QA pairs above from that checkpoint. 0 epochs: FEVER/QA pairs only
+    nli_general_epochs: int = 1
+    nli_general_learning_rate: float = 1e-4
+    nli_general_sources: str = "all"        # "all", "all,-SOURCE,...", or "SOURCE,SOURCE,..."
 
     def __post_init__(self) -> None:
         if self.nli_bf16 not in ("off", "on", "auto"):
@@ -68,17 +73,27 @@ class FinetuneSettings:
                               "set one of them to base")
 
     def init_role(self, role: str) -> str | None:
-        """The role whose fine-tuned checkpoint starts `role`, None for the base model."""
-        init = self.nli_init if role == "nli" else self.rerank_init
+        """The role whose fine-tuned checkpoint starts `role`, None for the base model.
+
+        The NLI chain: [reranker ->] nli_general -> nli when the general stage is on.
+        """
+        if role == "nli" and self.nli_general_epochs > 0:
+            return "nli_general"
+        init = self.nli_init if role in ("nli", "nli_general") else self.rerank_init
         return None if init == "base" else init
+
+    def general_sources(self) -> str | None:
+        return self.nli_general_sources if self.nli_general_epochs > 0 else None
 
     def for_role(self, role: str) -> dict:
         """The settings that shape `role`'s training (its cache key)."""
-        other = "rerank_" if role == "nli" else "nli_"
-        out = {k: v for k, v in asdict(self).items() if not k.startswith(other)}
-        if role != "nli":
+        nli = role in ("nli", "nli_general")
+        out = {k: v for k, v in asdict(self).items() if not k.startswith("nli_" if not nli else "rerank_")}
+        if not nli:
             out.pop("batch_size")            # NLI pairs per step
             return out
+        if role == "nli_general":            # what the FEVER/QA stage does is not its business
+            out = {k: v for k, v in out.items() if k not in ("nli_epochs", "nli_learning_rate", "nli_augment")}
         return {**out, "nli_bf16_used": self.use_bf16()}
 
     def use_bf16(self) -> bool:
@@ -91,16 +106,26 @@ class FinetuneSettings:
         return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def _nli_rows(role: str, sets: PairSets) -> list[tuple[str, str, int]]:
+    if role == "nli_general":
+        if sets.general is None:
+            raise ExportError("the general NLI stage has no pairs: build_pairs was called without general_sources")
+        return sets.general.train
+    return sets.nli_train
+
+
 def pairs_sha256(role: str, sets: PairSets) -> str:
     """The exact training data of `role`: a change in how pairs are built retrains."""
-    rows = sets.nli_train if role == "nli" else [[g.query, g.positives, g.negatives] for g in sets.rerank_train]
+    rows = (_nli_rows(role, sets) if role.startswith("nli")
+            else [[g.query, g.positives, g.negatives] for g in sets.rerank_train])
     return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode()).hexdigest()
 
 
 def _key(role: str, base_sha256: str, sets: PairSets, s: FinetuneSettings, init_key: str | None) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"role": role, "settings": s.for_role(role), "files": sets.files_sha256,
-                         "split": sets.split, "pairs": pairs_sha256(role, sets), "init": init_key},
+                         "split": sets.split, "pairs": pairs_sha256(role, sets), "init": init_key,
+                         **({"general": sets.general.stats} if role == "nli_general" and sets.general else {})},
                         sort_keys=True).encode())
     h.update(bytes.fromhex(base_sha256))
     return h.hexdigest()
@@ -171,20 +196,24 @@ def _model(init: Path, id2label: dict[int, str]):
         hf_logging.set_verbosity(level)
 
 
-def _train_nli(tok, init: Path, sets: PairSets, s: FinetuneSettings, rng: np.random.Generator):
+def _train_nli(tok, init: Path, sets: PairSets, s: FinetuneSettings, rng: np.random.Generator,
+               role: str = "nli"):
+    """Cross-entropy over (premise, hypothesis) pairs; from nli_general the 3-way head carries over."""
     import torch
 
     model = _model(init, ID2LABEL)
-    rows = sets.nli_train
+    rows = _nli_rows(role, sets)
+    epochs, lr = ((s.nli_general_epochs, s.nli_general_learning_rate) if role == "nli_general"
+                  else (s.nli_epochs, s.nli_learning_rate))
     # cut the passage, keep the claim/question
     enc = tok([p for p, _, _ in rows], [h for _, h, _ in rows], truncation="only_first",
               max_length=s.max_length_tokens)
     labels = torch.tensor([lab for _, _, lab in rows])
     lengths = [len(x) for x in enc["input_ids"]]
-    loop = _Loop("nli", model, s.nli_epochs * ((len(rows) + s.batch_size - 1) // s.batch_size),
-                 s.nli_learning_rate, s, bf16=s.use_bf16())
+    loop = _Loop(role, model, epochs * ((len(rows) + s.batch_size - 1) // s.batch_size),
+                 lr, s, bf16=s.use_bf16())
     loss_fn = torch.nn.CrossEntropyLoss()
-    for _ in range(s.nli_epochs):
+    for _ in range(epochs):
         for idx in _batches(lengths, s.batch_size, rng):
             batch = tok.pad({k: [enc[k][i] for i in idx] for k in enc}, return_tensors="pt")
             loop.step(loss_fn(loop.logits(batch), labels[torch.as_tensor(idx)]))
@@ -234,7 +263,10 @@ def train(role: str, init: Path, sets: PairSets, out: Path, s: FinetuneSettings)
     torch.manual_seed(s.seed)
     rng = np.random.default_rng(s.seed)
     tok = AutoTokenizer.from_pretrained(str(init))
-    model, stats = (_train_nli if role == "nli" else _train_reranker)(tok, init, sets, s, rng)
+    if role.startswith("nli"):
+        model, stats = _train_nli(tok, init, sets, s, rng, role)
+    else:
+        model, stats = _train_reranker(tok, init, sets, s, rng)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     for name in TOKENIZER_FILES:
@@ -253,7 +285,8 @@ def finetuned_checkpoint(role: str, base: Path, data_dir: Path, cache_dir: Path,
     if missing:
         raise ExportError(f"fine-tuning needs the labeled samples {', '.join(missing)} under {data_dir}; "
                           f"pass --data-dir pointing at the shared data folder")
-    sets = build_pairs(data_dir, s.max_train_pairs, s.seed, s.rerank_fever_groups, s.nli_augment)
+    sets = build_pairs(data_dir, s.max_train_pairs, s.seed, s.rerank_fever_groups, s.nli_augment,
+                       s.general_sources() if role == "nli" else None)
     return _checkpoint(role, base, sha256_file(base / "model.safetensors"), sets, cache_dir, s)
 
 
@@ -278,6 +311,8 @@ def _checkpoint(role: str, base: Path, base_sha256: str, sets: PairSets, cache_d
             "settings": s.for_role(role), "training_pairs_sha256": pairs_sha256(role, sets),
             "initialized_from": ({"role": init_role, "cache_key": init_meta["cache_key"]} if init_meta
                                  else "base_model"),
+            **({"general_data": sets.general.stats} if role == "nli_general" and sets.general else {}),
+            **({"first_stage": init_meta} if init_role == "nli_general" else {}),
             "cache_key": key, **stats}
     (tmp / "training.json").write_text(json.dumps(meta, indent=1))
     shutil.rmtree(out, ignore_errors=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 from d2r_edge.eval.datasets import fever_title
 from d2r_edge.eval.split import is_validation, normalize_text
 from d2r_edge.retrieval.bm25 import BM25Index
+from export.nli_general import GeneralPairs, dedupe_key, load_general
 
 ENT, NEU, CON = 0, 1, 2           # id2label of the offline NLI model
 ID2LABEL = {ENT: "entailment", NEU: "neutral", CON: "contradiction"}
@@ -104,6 +105,7 @@ class PairSets:
     rerank_val: list[dict] = field(default_factory=list)   # HotpotQA: question, paragraphs, gold idx
     files_sha256: dict[str, str] = field(default_factory=dict)
     split: dict = field(default_factory=dict)
+    general: GeneralPairs | None = None     # the general-NLI stage's pairs, when asked for
 
 
 @dataclass(frozen=True)
@@ -181,8 +183,20 @@ def heldout_probe(val: list[tuple[str, str, int]], seed: int = 0) -> dict[str, l
     return out
 
 
+def validation_texts(fever: list[dict], qa: list[QARow]) -> set[str]:
+    """dedupe_key() of the held-out claims, their evidence sentences and the held-out questions."""
+    out = set()
+    for row in fever:
+        if is_validation(row["question"]):
+            out.add(dedupe_key(row["question"]))
+            out.update(dedupe_key(s) for _, _, s in row.get("derived_evidence_sentences") or [])
+    out.update(dedupe_key(q.question) for q in qa if is_validation(q.question))
+    return out
+
+
 def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
-                rerank_fever_groups: int = 400, augment: bool = True) -> PairSets:
+                rerank_fever_groups: int = 400, augment: bool = True,
+                general_sources: str | None = None) -> PairSets:
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -261,6 +275,8 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
         aug = np.random.default_rng([seed, 1])
         sets.nli_train += _mutations(synthetic, {_norm(r["question"]) for r in fever}, aug)
         sets.nli_train = [sets.nli_train[i] for i in aug.permutation(len(sets.nli_train))]
+    if general_sources is not None:
+        sets.general = load_general(data, validation_texts(fever, qa), general_sources, max_train_pairs)
     if max_train_pairs:
         sets.nli_train = sets.nli_train[:max_train_pairs]
         sets.rerank_train = sets.rerank_train[:max(1, max_train_pairs // 8)]

@@ -49,8 +49,10 @@ def validate_nli(manifest: Manifest, sets: PairSets) -> dict:
     val = sets.nli_val
     gold = np.array([lab for _, _, lab in val])
     pairs = [(p, h) for p, h, _ in val]
-    models = {v: NLI(manifest, variant=v) for v in (Variant.INT8, Variant.FP32)}
+    models = {v: NLI(manifest, variant=v) for v in (Variant.INT8, Variant.FP32)}   # int8 as served
     preds = {v: m.score(pairs).argmax(axis=1) for v, m in models.items()}
+    rescored = models[Variant.INT8].rescored_pairs
+    raw_int8 = NLI(manifest, variant=Variant.INT8, near_tie_fp32=False).score(pairs).argmax(axis=1)
     majority = np.bincount([lab for _, _, lab in sets.nli_train]).argmax()
     lex = lexical_baseline(sets.nli_train, val)
     table = {}
@@ -65,9 +67,20 @@ def validate_nli(manifest: Manifest, sets: PairSets) -> dict:
         pred = models[Variant.INT8].score([(p, h) for p, h, _ in rows]).argmax(axis=1)
         probe[kind] = {"pairs": len(rows), "model_int8_accuracy": float(np.mean(pred == pg)),
                        "lexical_overlap_accuracy": float(np.mean(lexical_baseline(sets.nli_train, rows) == pg))}
-    return {"heldout_fever_pairs": len(val), "gold_counts": {ID2LABEL[k]: int(np.sum(gold == k)) for k in ID2LABEL},
+    # general ability: held-out MultiNLI / ANLI dev pairs (never trained on; export/nli_general.py)
+    general = {}
+    for group, rows in (sets.general.heldout.items() if sets.general else ()):
+        pg = np.array([lab for _, _, lab in rows])
+        general[group] = {"pairs": len(rows), **{
+            f"model_{v.value}_accuracy": float(np.mean(m.score([(p, h) for p, h, _ in rows]).argmax(axis=1) == pg))
+            for v, m in models.items()}}
+    return {"heldout_fever_pairs": len(val), "heldout_general": general, "gold_counts": {ID2LABEL[k]: int(np.sum(gold == k)) for k in ID2LABEL},
             "table": table,
             "int8_fp32_label_agreement": float(np.mean(preds[Variant.INT8] == preds[Variant.FP32])),
+            "int8_rescore_margin": models[Variant.INT8].rescore_margin,
+            "int8_share_rescored_fp32": rescored / max(1, len(pairs)),
+            "int8_raw_fp32_label_agreement": float(np.mean(raw_int8 == preds[Variant.FP32])),
+            "model_int8_raw_accuracy": float(np.mean(raw_int8 == gold)),
             "mutation_probe": probe}
 
 

@@ -94,3 +94,34 @@ def test_parse_triples_reads_rebel_linearization():
 def test_parse_triples_never_raises(pieces):
     out = parse_triples("".join(pieces))
     assert all(t.head and t.relation and t.tail for t in out)
+
+
+def test_int8_nli_rescores_exactly_its_near_ties_in_fp32(tiny_models, shared_data, tmp_path):
+    """The manifest's fp32_rescore_margin sends pairs whose int8 top-2 margin is below it to fp32."""
+    import json
+    import shutil
+
+    from d2r_edge.onnx.encoders import top2_margin
+    from export.parity_data import load_parity_set
+
+    pairs = load_parity_set(shared_data, n_pairs=24).pairs
+    prof = tmp_path / "tiny"
+    shutil.copytree(tiny_models, prof)
+    raw = NLI(load_manifest(prof), allow_random_weights=True)
+    assert raw.fp32 is None and raw.rescore_margin == 0.0          # nothing recorded: int8 as is
+    q = raw.logits(pairs)
+    ref = NLI(load_manifest(prof), variant=Variant.FP32, allow_random_weights=True).logits(pairs)
+    assert not np.allclose(q, ref, atol=1e-6)
+    margin = float(np.median(top2_margin(q)))
+    path = prof / "manifest.json"
+    data = json.loads(path.read_text())
+    data["roles"]["nli"]["variants"]["int8"]["quantization"]["fp32_rescore_margin"] = margin
+    path.write_text(json.dumps(data))
+    served = NLI(load_manifest(prof), allow_random_weights=True)
+    out = served.logits(pairs)
+    ties = top2_margin(q) < margin
+    assert 0 < ties.sum() < len(pairs) and served.rescored_pairs == ties.sum()
+    assert np.allclose(out[ties], ref[ties], atol=1e-5)
+    assert np.array_equal(out[~ties], q[~ties])
+    off = NLI(load_manifest(prof), allow_random_weights=True, near_tie_fp32=False)
+    assert off.fp32 is None and np.array_equal(off.logits(pairs), q)

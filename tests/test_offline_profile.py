@@ -98,10 +98,16 @@ def test_synthetic_nli_pairs_flip_labels_and_stay_out_of_validation(shared_data)
 def test_manifest_is_traceable(small_offline):
     profile, _, settings = small_offline
     raw = json.loads((profile / "manifest.json").read_text())
-    for role, other in (("nli", "reranker"), ("reranker", "nli")):
-        start = raw["roles"][role]["training"]["initialized_from"]
-        assert start == ({"role": other, "cache_key": raw["roles"][other]["training"]["cache_key"]}
-                         if settings.init_role(role) else "base_model")
+    # the chain: reranker (from the base) -> nli_general (general NLI pairs) -> nli (FEVER/QA pairs)
+    first = raw["roles"]["nli"]["training"]["first_stage"]
+    assert raw["roles"]["nli"]["training"]["initialized_from"] == {"role": "nli_general",
+                                                                  "cache_key": first["cache_key"]}
+    assert first["initialized_from"] == {"role": "reranker",
+                                         "cache_key": raw["roles"]["reranker"]["training"]["cache_key"]}
+    assert raw["roles"]["reranker"]["training"]["initialized_from"] == "base_model"
+    g = first["general_data"]
+    assert g["train_pairs"] == 256 and len(g["file_sha256"]) == 64 and g["sources"] == "all"
+    assert {k: v["pairs"] for k, v in g["heldout"].items()} == {"mnli_dev": 1000, "anli_dev": 1000}
     nli = raw["roles"]["nli"]
     assert nli["weights"] == "trained" and nli["source"]["kind"] == "finetune"
     assert nli["id2label"] == {"0": "entailment", "1": "neutral", "2": "contradiction"}
@@ -114,7 +120,12 @@ def test_manifest_is_traceable(small_offline):
     assert set(v["mutation_probe"]) == {"negation_flipped", "number_swapped"}
     assert all(0 <= p["model_int8_accuracy"] <= 1 and p["pairs"] > 0 for p in v["mutation_probe"].values())
     tiers = nli["variants"]["int8"]["quantization"]["tier_agreement"]   # trained: the tier search ran
-    assert tiers["tried"][0]["keep_fp32"] == "none" and tiers["pairs"] == 256
+    assert tiers["tried"][0]["keep_fp32"] == "none" and tiers["pairs"] == 1000
+    rescore = nli["variants"]["int8"]["quantization"]["fp32_rescore"]
+    assert rescore["tried"][0]["margin"] == 0.0 and rescore["pairs"] == 1000
+    assert nli["variants"]["int8"]["quantization"]["fp32_rescore_margin"] == rescore["tried"][-1]["margin"]
+    assert {k: x["pairs"] for k, x in v["heldout_general"].items()} == {"mnli_dev": 1000, "anli_dev": 1000}
+    assert all(0 <= x["model_int8_accuracy"] <= 1 for x in v["heldout_general"].values())
     r = raw["roles"]["reranker"]["validation"]
     assert {"cross_encoder_int8", "bm25", "minilm_bi_encoder"} <= set(r)
     assert raw["absent"]["triples"].startswith("no REBEL")
@@ -173,7 +184,10 @@ def test_a_role_starts_from_the_other_roles_encoder_with_a_new_head(small_offlin
     assert model.config.num_labels == 3 and state["classifier.weight"].shape == (3, 384)
     enc = [k for k in trained if k.startswith("bert.")]
     assert len(enc) > 90 and all(torch.equal(state[k], trained[k]) for k in enc)
-    assert FinetuneSettings().init_role("nli") == "reranker" and FinetuneSettings().init_role("reranker") is None
+    s = FinetuneSettings()
+    assert s.init_role("nli") == "nli_general" and s.init_role("nli_general") == "reranker"
+    assert s.init_role("reranker") is None
+    assert FinetuneSettings(nli_general_epochs=0).init_role("nli") == "reranker"
     for bad in ({"rerank_init": "nli"}, {"rerank_init": "reranker"}, {"nli_init": "nli"}):
         with pytest.raises(ExportError, match="init"):
             FinetuneSettings(**bad)

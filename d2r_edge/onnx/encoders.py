@@ -174,10 +174,34 @@ class _Encoder:
 
 
 class NLI(_Encoder):
-    """3-way NLI cross-encoder; labels come from the manifest's `id2label`."""
+    """3-way NLI cross-encoder; labels come from the manifest's `id2label`.
+
+    int8 near ties: dynamic int8 moves the logits a little, which flips the
+    label only where the top two probabilities nearly tie (every int8/fp32
+    disagreement on the held-out FEVER pairs had an fp32 margin <= 0.10).
+    When the export recorded `fp32_rescore_margin` for the int8 variant,
+    pairs whose int8 top-2 probability margin is below it are scored again
+    by the fp32 model (loaded with the int8 one, so no action pays for it;
+    a few percent of the pairs). `near_tie_fp32=False` serves raw int8.
+    """
 
     role = Role.NLI
     cpu_batch_tokens = CPU_PAIR_BATCH_TOKENS
+
+    def __init__(self, manifest: Manifest, *, variant: Variant = Variant.INT8,
+                 session: SessionConfig = SessionConfig(), batch: BatchConfig = BatchConfig(),
+                 allow_random_weights: bool = False, near_tie_fp32: bool = True) -> None:
+        super().__init__(manifest, variant=variant, session=session, batch=batch,
+                         allow_random_weights=allow_random_weights)
+        self.rescore_margin = 0.0
+        self.fp32: NLI | None = None
+        self.rescored_pairs = 0                 # how many pairs went to fp32 so far
+        quant = (self.entry.raw.get("variants", {}).get(Variant.INT8.value, {}).get("quantization") or {})
+        margin = float(quant.get("fp32_rescore_margin") or 0.0)
+        if near_tie_fp32 and variant is Variant.INT8 and margin > 0 and Variant.FP32 in self.entry.variants:
+            self.fp32 = NLI(manifest, variant=Variant.FP32, session=session, batch=batch,
+                            allow_random_weights=allow_random_weights, near_tie_fp32=False)
+            self.rescore_margin = margin
 
     @property
     def labels(self) -> list[str]:
@@ -193,6 +217,11 @@ class NLI(_Encoder):
         out = np.empty((len(pairs), n_labels), dtype=np.float32)
         for idx, logits, _ in self._run(encs):
             out[idx] = logits
+        if self.fp32 is not None:
+            ties = np.flatnonzero(top2_margin(out) < self.rescore_margin)
+            if ties.size:
+                out[ties] = self.fp32.logits([pairs[i] for i in ties])
+                self.rescored_pairs += int(ties.size)
         return out
 
     def score(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
@@ -203,6 +232,15 @@ class NLI(_Encoder):
         logits -= logits.max(axis=1, keepdims=True)
         probs = np.exp(logits)
         return (probs / probs.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def top2_margin(logits: np.ndarray) -> np.ndarray:
+    """Softmax probability of the top label minus the runner-up's, per row."""
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    top = np.sort(p, axis=1)
+    return top[:, -1] - top[:, -2]
 
 
 class CrossEncoder(_Encoder):

@@ -1,0 +1,107 @@
+"""`d2r-edge doctor diagnose`: failed trajectories in, one diagnosis record per trajectory out.
+
+Resumable like `d2r-edge run`: records already in `--out` (by line) are kept and
+not recomputed. A summary (error types, culprit kinds, agreement of the checkable
+labels with simple rules) goes to `<out>.summary.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from d2r_edge.doctor.diagnose import DoctorSettings, TrajectoryDiagnoser, is_success
+from d2r_edge.doctor.parse import TrajectoryFormat, parse_file
+from d2r_edge.doctor.trajectory import StepKind, Trajectory
+from d2r_edge.eval.metrics import normalize_answer, token_f1
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DiagnoseRequest:
+    trajectories: Path
+    out: Path
+    fmt: TrajectoryFormat = TrajectoryFormat.AUTO
+    limit: int | None = None
+    settings: DoctorSettings = DoctorSettings()
+
+
+def simple_format_rule(t: Trajectory) -> bool:
+    """The checkable Format label: normalized containment either way, or token F1 >= 0.8 (QA);
+    the same label up to case and spacing (FEVER)."""
+    if t.prediction is None:
+        return False
+    if t.task == "fever":
+        return " ".join(t.prediction.upper().split()) == t.gold[0].upper()
+    p = normalize_answer(t.prediction)
+    return bool(p) and (token_f1(t.prediction, t.gold) >= 0.8 or any(
+        (g := normalize_answer(x)) and (g in p or p in g) for x in t.gold))
+
+
+def simple_sufficiency_rule(t: Trajectory) -> bool | None:
+    """The checkable sufficiency label (QA): a gold answer appears in the evidence. None for FEVER."""
+    if t.task == "fever":
+        return None
+    text = f" {normalize_answer(' '.join(s.text for s in t.of(StepKind.EVIDENCE)))} "
+    return any((g := normalize_answer(x)) and f" {g} " in text for x in t.gold)
+
+
+def _done(out: Path) -> dict[int, dict]:
+    if not out.is_file():
+        return {}
+    done = {}
+    with open(out, encoding="utf-8") as fh:
+        for text in fh:
+            try:
+                rec = json.loads(text)
+                done[int(rec["line"])] = rec
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                break          # a torn last line from a kill: recomputed
+    return done
+
+
+def summarize(records: list[dict], n_parsed: int, n_issues: int, fmt: str) -> dict:
+    types = Counter(r["type"] for r in records)
+    kinds = Counter((r["culprit"] or "none").split("]")[-1].strip() or "none" for r in records)
+    fmt_agree = [r["type"] == "format" and r["signals"]["format"]["format"] == r["checks"]["format_rule"]
+                 or r["type"] != "format" and not r["checks"]["format_rule"] for r in records]
+    suff = [(r["sufficient"], r["checks"]["gold_in_evidence"]) for r in records
+            if r["type"] != "format" and r["checks"]["gold_in_evidence"] is not None]
+    return {"format": fmt, "parsed": n_parsed, "skipped_malformed": n_issues, "failed": len(records),
+            "types": dict(types), "culprit_kinds": dict(kinds),
+            "format_agrees_with_rule": (sum(fmt_agree) / len(fmt_agree)) if fmt_agree else None,
+            "sufficiency_agrees_with_gold_in_evidence": (sum(a == b for a, b in suff) / len(suff)) if suff else None,
+            "sufficiency_checked": len(suff),
+            "note": "format and sufficiency are checked against simple rules (containment / F1 >= 0.8; "
+                    "gold answer in the evidence); the culprit step has no gold label here"}
+
+
+def run_diagnose(req: DiagnoseRequest, nli) -> dict:
+    parsed = parse_file(req.trajectories, req.fmt)
+    failed = [t for t in parsed.trajectories if not is_success(t)][:req.limit]
+    done = _done(req.out)
+    diagnoser = TrajectoryDiagnoser(nli, req.settings)
+    req.out.parent.mkdir(parents=True, exist_ok=True)
+    records = []
+    with open(req.out, "w", encoding="utf-8") as fh:       # rewritten in input order; done lines reused
+        for i, t in enumerate(failed):
+            rec = done.get(t.line)
+            if rec is None:
+                rec = diagnoser.diagnose(t).record()
+                rec["checks"] = {"format_rule": simple_format_rule(t), "gold_in_evidence": simple_sufficiency_rule(t)}
+                rec.update({"question": t.question, "prediction": t.prediction, "gold": list(t.gold)})
+            records.append(rec)
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            if (i + 1) % 100 == 0:
+                fh.flush()
+                os.fsync(fh.fileno())
+                log.info("diagnosed %d/%d failed trajectories", i + 1, len(failed))
+    summary = summarize(records, len(parsed.trajectories), len(parsed.issues), parsed.format.value)
+    summary["skipped_lines"] = [{"line": i.line, "reason": i.reason} for i in parsed.issues]
+    Path(f"{req.out}.summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    return summary

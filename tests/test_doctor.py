@@ -1,0 +1,159 @@
+"""Trajectory mode: every real dev trajectory parses; the diagnosis follows the paper's phases."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from d2r_edge.doctor.commands import DiagnoseRequest, run_diagnose, simple_format_rule
+from d2r_edge.doctor.diagnose import ErrorType, TrajectoryDiagnoser, is_success, key_entities, unsupported
+from d2r_edge.doctor.parse import TrajectoryFormat, detect, parse_file
+from d2r_edge.doctor.trajectory import StepKind
+from d2r_edge.errors import InputError
+
+DEV = {"react_fever": 334, "reflexion_react_hotpotqa": 65, "fireact_react_hotpotqa": 1015}
+
+
+class WordNLI:
+    """Entailed when every content word of the hypothesis is in the premise; contradicted when the
+    premise holds the hypothesis with "not" in it. Enough to drive each phase on purpose."""
+
+    labels = ["entailment", "neutral", "contradiction"]
+
+    def score(self, pairs):
+        out = []
+        for p, h in pairs:
+            pw, hw = set(re.findall(r"\w+", p.lower())), set(re.findall(r"\w+", h.lower())) - {"the", "is", "a"}
+            if "not" in pw and hw - {"not"} <= pw and "not" not in hw:
+                out.append([0.05, 0.05, 0.9])
+            elif hw <= pw:
+                out.append([0.9, 0.05, 0.05])
+            else:
+                out.append([0.05, 0.9, 0.05])
+        return np.asarray(out, dtype=np.float32)
+
+
+def _write(tmp_path, rows, name="t.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _traj(question, gold, prediction, steps):
+    return {"question": question, "gold": gold, "prediction": prediction,
+            "steps": [{"type": t, "text": x} for t, x in steps]}
+
+
+@pytest.mark.parametrize("name", sorted(DEV))
+def test_every_dev_trajectory_parses(shared_data, name):
+    parsed = parse_file(shared_data / "agentic_trajectories" / name / "dev.jsonl")
+    assert len(parsed.trajectories) == DEV[name] and not parsed.issues
+    for t in parsed.trajectories:
+        assert t.question and t.steps
+        searches, evidence = t.of(StepKind.SEARCH), t.of(StepKind.EVIDENCE)
+        assert [s.index for s in searches] == list(range(1, len(searches) + 1))
+        assert {e.index for e in evidence} <= {s.index for s in searches}
+        ks = [s.index for s in t.steps if s.kind in (StepKind.REASONING, StepKind.ANSWER)]
+        assert ks == list(range(1, len(ks) + 1))
+
+
+def test_labels_and_invalid_actions(tmp_path):
+    row = {"claim": "X is a film.", "answer": None, "gt_answer": "NOT ENOUGH INFO", "em": 0,
+           "trajectory": "Thought 1: I should search X.\nAction 1: Search[X]\nObservation 1: X is a 2001 film.\n"
+                         "Thought 2: It is a film.\nAction 2: \n\nFinish[SUPPORTS]\n"
+                         "Observation 2: Invalid action: Finish[SUPPORTS]\n\nThought 3: Try again.\n"
+                         "Action 3: Finish[SUPPORTS]\nObservation 3: Episode finished, reward = 0\n"}
+    t = parse_file(_write(tmp_path, [row])).trajectories[0]
+    assert t.task == "fever" and t.prediction == "SUPPORTS"
+    assert [s.label for s in t.steps] == ["[Step 1] (Reasoning)", "[Action 1] (Search)", "[Evidence 1] (Information)",
+                                          "[Step 2] (Reasoning)", "[Step 3] (Reasoning)", "[Step 4] (Answer)"]
+    assert t.steps[2].text == "X is a 2001 film."         # the retracted finish left no answer step behind
+
+
+def test_malformed_lines_are_reported_and_skipped(tmp_path):
+    good = _traj("Who?", "Ann", "Bob", [("reasoning", "Think."), ("answer", "Bob")])
+    bad_step = _traj("Who?", "Ann", "Bob", [("dance", "x")])
+    path = _write(tmp_path, [good, "{not json", bad_step, good])
+    parsed = parse_file(path)
+    assert parsed.format is TrajectoryFormat.JSONL and len(parsed.trajectories) == 2
+    assert [i.line for i in parsed.issues] == [2, 3] and "dance" in parsed.issues[1].reason
+    with pytest.raises(InputError, match="--format"):
+        detect({"foo": 1})
+    with pytest.raises(InputError, match="--format"):
+        parse_file(_write(tmp_path, [{"foo": 1}], "odd.jsonl"))
+    with pytest.raises(InputError, match="no trajectory file"):
+        parse_file(tmp_path / "missing.jsonl")
+
+
+def test_phases_in_priority_order(tmp_path):
+    d = TrajectoryDiagnoser(WordNLI())
+    rows = [
+        # 1. format: the same answer, longer surface form
+        _traj("Which band released Abbey Road?", "The Beatles", "the Beatles band",
+              [("search", "Abbey Road"), ("evidence", "Abbey Road is an album by the Beatles."),
+               ("answer", "the Beatles band")]),
+        # 3. sufficient evidence, reasoning names an entity from nowhere at step 2
+        _traj("Which band released Abbey Road?", "The Beatles", "The Rolling Stones",
+              [("reasoning", "I need to search Abbey Road."), ("search", "Abbey Road"),
+               ("evidence", "Abbey Road is an album by the Beatles."),
+               ("reasoning", "Abbey Road was released by Decca Records."),
+               ("reasoning", "So the band is The Rolling Stones."), ("answer", "The Rolling Stones")]),
+        # 4a. insufficient, every query poisoned (Decca comes from no source)
+        _traj("Which band released Abbey Road?", "The Beatles", "Decca",
+              [("reasoning", "It was probably Decca Records."), ("search", "Decca Records"),
+               ("evidence", "Decca Records is a British label."), ("answer", "Decca")]),
+        # 4b. insufficient, a valid query whose evidence lacked the answer -> retriever at its evidence
+        _traj("Which band released Abbey Road?", "The Beatles", "unknown",
+              [("search", "Abbey Road"), ("evidence", "Abbey Road is a street in London."),
+               ("search", "Paul Smith"), ("evidence", "Paul Smith is a designer."), ("answer", "unknown")]),
+    ]
+    ts = parse_file(_write(tmp_path, rows)).trajectories
+    got = [d.diagnose(t) for t in ts]
+    assert [(g.type, g.culprit) for g in got] == [
+        (ErrorType.FORMAT, None), (ErrorType.REASONING, "[Step 2] (Reasoning)"),
+        (ErrorType.SEARCH, "[Action 1] (Search)"), (ErrorType.RETRIEVER, "[Evidence 1] (Information)")]
+    assert [g.sufficient for g in got] == [True, True, False, False]
+    assert got[1].signals["reasoning"][1]["unsupported_entities"] == ["Decca Records"]
+    assert [q["poisoned"] for q in got[3].signals["queries"]] == [False, True]
+
+
+def test_fever_sufficiency_follows_the_gold_label(tmp_path):
+    d = TrajectoryDiagnoser(WordNLI())
+    base = {"question": "Paris is in France.", "steps": [
+        {"type": "search", "text": "Paris"}, {"type": "evidence", "text": "Paris is not in France."},
+        {"type": "answer", "text": "SUPPORTS"}], "task": "fever", "prediction": "SUPPORTS"}
+    refuted, nei = dict(base, gold="REFUTES"), dict(base, gold="NOT ENOUGH INFO")
+    supported = dict(base, gold="SUPPORTS", prediction="supported")
+    ts = parse_file(_write(tmp_path, [refuted, nei, supported])).trajectories
+    r, n, s = (d.diagnose(t) for t in ts)
+    assert r.sufficient and r.type is ErrorType.REASONING and r.signals["sufficiency"]["rule"] == "nli_verdict"
+    assert n.sufficient and n.signals["sufficiency"]["rule"] == "gold_not_enough_info"
+    assert s.type is ErrorType.FORMAT and not is_success(ts[2]) and not simple_format_rule(ts[2])
+
+
+def test_entity_provenance():
+    # pronouns and a leading "The" are not names
+    assert key_entities('He met "Big Ben" in 1961 and The Rolling Stones.') == ["Big Ben", "1961", "Rolling Stones"]
+    assert unsupported(["VIVA Plus", "Comedy Central"], "Similar: ['Paramount', 'VIVA Plus']") == ["Comedy Central"]
+
+
+def test_diagnose_command_is_resumable(tmp_path):
+    rows = [_traj("Which band released Abbey Road?", "The Beatles", x,
+                  [("search", "Abbey Road"), ("evidence", "Abbey Road is an album by the Beatles."), ("answer", x)])
+            for x in ("The Beatles", "Queen", "the Beatles band")]
+    src, out = _write(tmp_path, rows), tmp_path / "out" / "d.jsonl"
+    summary = run_diagnose(DiagnoseRequest(src, out), WordNLI())
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["line"] for r in recs] == [2, 3] and summary["failed"] == 2 and summary["parsed"] == 3
+    assert [r["type"] for r in recs] == ["reasoning", "format"] and summary["format_agrees_with_rule"] == 1.0
+    assert summary["sufficiency_agrees_with_gold_in_evidence"] == 1.0
+
+    class Boom(WordNLI):
+        def score(self, pairs):
+            raise AssertionError("a finished record was recomputed")
+
+    again = run_diagnose(DiagnoseRequest(src, out), Boom())
+    assert again["types"] == summary["types"] and json.loads((tmp_path / "out" / "d.jsonl.summary.json").read_text())
