@@ -157,3 +157,99 @@ def test_diagnose_command_is_resumable(tmp_path):
 
     again = run_diagnose(DiagnoseRequest(src, out), Boom())
     assert again["types"] == summary["types"] and json.loads((tmp_path / "out" / "d.jsonl.summary.json").read_text())
+
+
+class ScriptedChat:
+    """An LLM stand-in: answers by the first rule whose key is in the prompt; counts calls and tokens."""
+
+    def __init__(self, rules):
+        self.rules, self.prompts = rules, []
+
+    def __call__(self, messages, max_tokens, stop=None):
+        from d2r_edge.generate.openai_compat import ChatResult
+
+        prompt = "\n".join(m["content"] for m in messages)
+        self.prompts.append(prompt)
+        text = next((v for k, v in self.rules if k in prompt), "<answer>no idea</answer>")
+        return ChatResult(text, len(prompt.split()), len(text.split()), 0.0)
+
+
+def _search_log():
+    calls = []
+
+    def search(query, k):
+        calls.append(query)
+        return ["Abbey Road\nAbbey Road is the eleventh studio album by the Beatles."][:k]
+
+    return search, calls
+
+
+def test_repair_operators_keep_the_prefix_and_answer(tmp_path):
+    from d2r_edge.doctor.repair import Method, Repairer, answer_variants, best_span, extract_answer
+
+    span = best_span("the Beatles band", ["Abbey Road is an album by the Beatles."])
+    assert span == ("Beatles", pytest.approx(2 / 3))
+    assert extract_answer("So it is them. <answer>The Beatles</answer>") == "The Beatles"
+    v = answer_variants("The Beatles (band)")
+    assert "Beatles" in v and "The Beatles" in v and len(v) == len(set(v))
+    rows = [
+        _traj("Which band released Abbey Road?", "The Beatles", "the Beatles band",
+              [("search", "Abbey Road"), ("evidence", "Abbey Road is an album by the Beatles."),
+               ("answer", "the Beatles band")]),
+        _traj("Which band released Abbey Road?", "The Beatles", "The Rolling Stones",
+              [("reasoning", "I need to search Abbey Road."), ("search", "Abbey Road"),
+               ("evidence", "Abbey Road is an album by the Beatles."),
+               ("reasoning", "Abbey Road was released by Decca Records."), ("answer", "The Rolling Stones")]),
+        _traj("Which band released Abbey Road?", "The Beatles", "Decca",
+              [("reasoning", "It was probably Decca Records."), ("search", "Decca Records"),
+               ("evidence", "Decca Records is a British label."), ("answer", "Decca")]),
+        _traj("Which band released Abbey Road?", "The Beatles", "unknown",
+              [("search", "Abbey Road"), ("evidence", "Abbey Road is a street in London."), ("answer", "unknown")]),
+    ]
+    ts = parse_file(_write(tmp_path, rows)).trajectories
+    chat = ScriptedChat([("Write one better search query", "Abbey Road album"),
+                         ("next Thought and Action", "Thought: look it up\nAction: search[Abbey Road album]"),
+                         ("Continue the reasoning", "It is by the Beatles. <answer>The Beatles</answer>")])
+    search, calls = _search_log()
+    d = TrajectoryDiagnoser(WordNLI())
+    rep = Repairer(chat, search, d)
+    fmt, rsn, srch, rtv = (rep.repair(t, d.diagnose(t), Method.DRRAG) for t in ts)
+    assert fmt.answer == "Beatles" and fmt.cost.llm_calls == 0 and fmt.kept_steps == 3
+    assert rsn.answer == "The Beatles" and rsn.cost.llm_calls == 1 and rsn.kept_steps == 3
+    assert "Decca" not in chat.prompts[0].split("Reasoning so far (valid):")[1]    # the culprit step is dropped
+    assert srch.type == "search" and srch.kept_steps == 1 and srch.answer == "The Beatles"
+    assert srch.cost.searches == 4 and srch.cost.llm_calls == 5                   # 4 turns, then a forced answer
+    assert rtv.type == "retriever" and rtv.kept_steps == 0 and calls[-1] == "Abbey Road album"
+    assert rtv.answer == "The Beatles" and rtv.cost.llm_calls == 2
+    rerun = rep.repair(ts[1], d.diagnose(ts[1]), Method.RERUN)
+    assert rerun.kept_steps == 0 and rerun.cost.llm_calls == 5
+    finish = Repairer(ScriptedChat([("next Thought", "Thought: known.\nAction: finish[The Beatles]")]), search, d)
+    assert finish.repair(ts[2], d.diagnose(ts[2]), Method.NO_TAXONOMY).answer == "The Beatles"
+
+
+def test_doctor_eval_reports_and_resumes(tmp_path):
+    from d2r_edge.doctor.evaluate import DoctorEvalSettings, parse_doctor_methods, rouge_l, run_doctor_eval
+
+    rows = [_traj("Which band released Abbey Road?", "The Beatles", x,
+                  [("reasoning", "I need to search Abbey Road."), ("search", "Abbey Road"),
+                   ("evidence", "Abbey Road is an album by the Beatles."), ("reasoning", f"So it is {x}."),
+                   ("answer", x)])
+            for x in ("The Beatles", "Queen", "the Beatles band", "Pink Floyd")]
+    src = _write(tmp_path, rows)
+    chat = ScriptedChat([("Continue the reasoning", "<answer>The Beatles</answer>"),
+                         ("next Thought", "Action: finish[Queen]")])
+    search, _ = _search_log()
+    s = DoctorEvalSettings((src,), tmp_path / "ev", parse_doctor_methods("drrag,rerun"))
+    summary = run_doctor_eval(s, WordNLI(), chat, search)
+    m = summary["methods"]
+    assert summary["failed"] == 3 and summary["diagnosis_types"] == {"format": 1, "reasoning": 2}
+    assert m["drrag"]["repair_rate"] == 1.0 and m["rerun"]["repair_rate"] == 0.0
+    assert m["drrag"]["delta_em_points"] == pytest.approx(75.0)
+    assert m["drrag"]["format_any_variant_rate"] == 1.0 and m["rerun"]["kept_steps_mean"] == 0
+    assert m["drrag"]["by_diagnosis"]["checkable, correct"]["n"] == 3
+    assert "| drrag | 100.0 |" in (tmp_path / "ev" / "report.md").read_text()
+    n_calls = len(chat.prompts)
+    assert run_doctor_eval(s, WordNLI(), chat, search)["methods"] == m and len(chat.prompts) == n_calls
+    assert rouge_l("the Beatles band", ("The Beatles",)) == pytest.approx(2 / 3)
+    with pytest.raises(InputError, match="unknown doctor method"):
+        parse_doctor_methods("drrag,magic")

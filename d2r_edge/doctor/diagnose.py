@@ -191,7 +191,9 @@ class TrajectoryDiagnoser:
         return {"sufficient": ok, "rule": "nli_entails_gold_statement" if ok else None,
                 "gold_in_evidence": False, "nli_entail": round(ent, 3)}
 
-    def reasoning_culprit(self, t: Trajectory) -> tuple[str, list[dict]]:
+    def reasoning_checks(self, t: Trajectory, first_only: bool = True) -> list[dict]:
+        """Each reasoning step: contradicted by the evidence seen so far, or naming an entity without
+        a source? Stops after the first flagged step unless `first_only` is False."""
         checked = []
         for pos, step in enumerate(t.steps):
             if step.kind is not StepKind.REASONING:
@@ -207,10 +209,16 @@ class TrajectoryDiagnoser:
                 if con >= self.s.contradict_threshold and ent < self.s.entail_threshold:
                     contra = max(contra, con)
             checked.append({"step": step.label, "claims": len(claims), "unsupported_entities": missing,
-                            "contradicted": round(contra, 3)})
-            if missing or contra:
-                return step.label, checked
-        reasoning = t.of(StepKind.REASONING)
+                            "contradicted": round(contra, 3), "flagged": bool(missing or contra)})
+            if first_only and checked[-1]["flagged"]:
+                break
+        return checked
+
+    def reasoning_culprit(self, t: Trajectory) -> tuple[str | None, list[dict]]:
+        checked = self.reasoning_checks(t)
+        if checked and checked[-1]["flagged"]:
+            return checked[-1]["step"], checked
+        reasoning = t.of(StepKind.REASONING)       # nothing flagged: where the wrong conclusion was drawn
         last = reasoning[-1] if reasoning else (t.of(StepKind.ANSWER) or [None])[-1]
         return (last.label if last else None), checked
 

@@ -99,5 +99,31 @@ class OpenAICompatible:
         return parse_output(task, text)
 
 
+@dataclass(frozen=True)
+class ChatResult:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    latency_s: float
+
+
+def chat(client: OpenAICompatible, messages: list[dict], max_tokens: int = 256,
+         stop: list[str] | None = None) -> ChatResult:
+    """One plain chat completion (no JSON mode) with the server's token counts."""
+    payload = {"model": client.model, "temperature": client.temperature, "max_tokens": max_tokens,
+               "messages": messages}
+    if stop:
+        payload["stop"] = stop
+    t0 = time.perf_counter()
+    body = client._post(payload)
+    try:
+        text = body["choices"][0]["message"]["content"] or ""
+    except (KeyError, IndexError, TypeError):
+        raise GeneratorError(f"generator at {client.base_url} returned no choices: {str(body)[:200]}") from None
+    usage = body.get("usage") or {}
+    return ChatResult(text, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+                      time.perf_counter() - t0)
+
+
 class _RejectedJSONMode(Exception):
     pass
