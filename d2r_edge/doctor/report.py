@@ -24,7 +24,8 @@ def markdown(summary: dict) -> str:
               "| method | repair rate % | dEM (pts) | dF1 (pts) | ROUGE-L before/after | wall s/traj | LLM calls | "
               "prompt tok | completion tok | steps kept |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in summary["methods"].items():
-        lines.append(f"| {name} | {_pct(m['repair_rate'])} | {m['delta_em_points']:+.1f} | {m['delta_f1_points']:+.1f} | "
+        lines.append(f"| {name} | {_pct(m['repair_rate'])} | {m['delta_em_points']:+.1f} | "
+                     f"{m['delta_f1_points']:+.1f} | "
                      f"{m['rouge_l_before']:.3f}/{m['rouge_l_after']:.3f} | {m['wall_s_mean']:.1f} | "
                      f"{m['llm_calls_mean']:.2f} | {m['prompt_tokens_mean']:.0f} | "
                      f"{m['completion_tokens_mean']:.0f} | "
