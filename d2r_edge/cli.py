@@ -226,7 +226,12 @@ def cmd_doctor_diagnose(args: argparse.Namespace) -> int:
     nli = NLI(load_manifest(Path(args.models)), variant=Variant(args.variant),
               allow_random_weights=args.allow_random_weights)
     req = DiagnoseRequest(Path(args.trajectories), Path(args.out), TrajectoryFormat(args.format), args.limit)
-    summary = run_diagnose(req, nli)
+    llm = None
+    if args.diagnoser == "llm":
+        from d2r_edge.doctor.llm_diagnose import LLMDiagnoser
+
+        llm = LLMDiagnoser(_doctor_chat(args))
+    summary = run_diagnose(req, nli, llm)
     print(json.dumps({k: v for k, v in summary.items() if k != "skipped_lines"}, indent=1))
     print(f"records: {args.out}; summary: {args.out}.summary.json")
     return 0
@@ -415,6 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="auto", choices=["auto", "react_fever", "reflexion", "fireact", "jsonl"])
     p.add_argument("--out", required=True, help="JSONL, one record per failed trajectory; resumable")
     p.add_argument("--limit", type=int, default=None, help="only the first N failed trajectories")
+    p.add_argument("--diagnoser", default="nli", choices=["nli", "llm"],
+                   help="llm: the paper's protocol as a prompt to --base-url/--model (each record keeps the "
+                        "NLI diagnoser's call; the summary gives their agreement)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8080/v1", help="OpenAI-compatible server (llm)")
+    p.add_argument("--model", default="local", help="model name sent to the server (llm)")
+    p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
+    p.add_argument("--timeout-s", type=float, default=120.0)
     _model_args(p)
     p.set_defaults(func=cmd_doctor_diagnose)
 

@@ -253,3 +253,31 @@ def test_doctor_eval_reports_and_resumes(tmp_path):
     assert rouge_l("the Beatles band", ("The Beatles",)) == pytest.approx(2 / 3)
     with pytest.raises(InputError, match="unknown doctor method"):
         parse_doctor_methods("drrag,magic")
+
+
+def test_llm_diagnoser_json_is_repaired_and_bad_replies_fall_back(tmp_path):
+    from d2r_edge.doctor.llm_diagnose import LLMDiagnoser
+
+    rows = [_traj("Which band released Abbey Road?", "The Beatles", "Queen",
+                  [("reasoning", "I need to search Abbey Road."), ("search", "Abbey Road"),
+                   ("evidence", "Abbey Road is an album by the Beatles."), ("reasoning", "So it is Queen."),
+                   ("answer", "Queen")])] * 3
+    src, out = _write(tmp_path, rows), tmp_path / "d.jsonl"
+    replies = iter(["{'type': 'reasoning', 'culprit': '[Step 2] (Reasoning)', evidence_sufficient: true",  # broken
+                    '{"type": "retriever", "culprit": "[Evidence 9] (Information)"}',                    # no step
+                    '{"type": "reasoning", "culprit": "[Step 1] (Reasoning)", "evidence_sufficient": true}'])
+
+    def chat(messages, max_tokens, stop=None):
+        from d2r_edge.generate.openai_compat import ChatResult
+
+        assert "The gold answer is correct" in messages[0]["content"] and "[Action 1] (Search)" in messages[0]["content"]
+        return ChatResult(next(replies), 10, 5, 0.0)
+
+    summary = run_diagnose(DiagnoseRequest(src, out), WordNLI(), LLMDiagnoser(chat))
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["type"], r["culprit"]) for r in recs] == [("reasoning", "[Step 2] (Reasoning)")] * 2 + [
+        ("reasoning", "[Step 1] (Reasoning)")]
+    assert [r["signals"]["llm"]["llm_usable"] for r in recs] == [True, False, True]
+    agree = summary["llm_vs_nli"]
+    assert agree["llm_reply_usable"] == 2 and agree["type_agreement"] == 1.0
+    assert agree["type_and_culprit_agreement"] == 0.5

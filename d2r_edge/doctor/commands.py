@@ -81,7 +81,8 @@ def summarize(records: list[dict], n_parsed: int, n_issues: int, fmt: str) -> di
                     "gold answer in the evidence); the culprit step has no gold label here"}
 
 
-def run_diagnose(req: DiagnoseRequest, nli) -> dict:
+def run_diagnose(req: DiagnoseRequest, nli, llm=None) -> dict:
+    """NLI diagnoses; with `llm` (an LLMDiagnoser) the LLM's, each record keeping the NLI's call."""
     parsed = parse_file(req.trajectories, req.fmt)
     failed = [t for t in parsed.trajectories if not is_success(t)][:req.limit]
     done = _done(req.out)
@@ -92,7 +93,12 @@ def run_diagnose(req: DiagnoseRequest, nli) -> dict:
         for i, t in enumerate(failed):
             rec = done.get(t.line)
             if rec is None:
-                rec = diagnoser.diagnose(t).record()
+                nli_d = diagnoser.diagnose(t)
+                if llm is not None:
+                    rec = llm.diagnose(t, nli_d).record()
+                    rec["nli"] = {"type": nli_d.type.value, "culprit": nli_d.culprit, "sufficient": nli_d.sufficient}
+                else:
+                    rec = nli_d.record()
                 rec["checks"] = {"format_rule": simple_format_rule(t), "gold_in_evidence": simple_sufficiency_rule(t)}
                 rec.update({"question": t.question, "prediction": t.prediction, "gold": list(t.gold)})
             records.append(rec)
@@ -102,6 +108,15 @@ def run_diagnose(req: DiagnoseRequest, nli) -> dict:
                 os.fsync(fh.fileno())
                 log.info("diagnosed %d/%d failed trajectories", i + 1, len(failed))
     summary = summarize(records, len(parsed.trajectories), len(parsed.issues), parsed.format.value)
+    paired = [r for r in records if "nli" in r]
+    if paired:
+        usable = [r for r in paired if r["signals"].get("llm", {}).get("llm_usable")]
+        summary["llm_vs_nli"] = {
+            "diagnosed": len(paired), "llm_reply_usable": len(usable),
+            "type_agreement": sum(r["type"] == r["nli"]["type"] for r in usable) / max(1, len(usable)),
+            "type_and_culprit_agreement": sum(r["type"] == r["nli"]["type"] and r["culprit"] == r["nli"]["culprit"]
+                                              for r in usable) / max(1, len(usable)),
+            "note": "over the replies that named a known type and an existing step; the others fell back to the NLI"}
     summary["skipped_lines"] = [{"line": i.line, "reason": i.reason} for i in parsed.issues]
     Path(f"{req.out}.summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     return summary
