@@ -270,7 +270,8 @@ def test_llm_diagnoser_json_is_repaired_and_bad_replies_fall_back(tmp_path):
     def chat(messages, max_tokens, stop=None):
         from d2r_edge.generate.openai_compat import ChatResult
 
-        assert "The gold answer is correct" in messages[0]["content"] and "[Action 1] (Search)" in messages[0]["content"]
+        prompt = messages[0]["content"]
+        assert "The gold answer is correct" in prompt and "[Action 1] (Search)" in prompt
         return ChatResult(next(replies), 10, 5, 0.0)
 
     summary = run_diagnose(DiagnoseRequest(src, out), WordNLI(), LLMDiagnoser(chat))
