@@ -55,13 +55,25 @@ def _import_export():
     return export.build
 
 
-def _finetune_settings(args: argparse.Namespace):
-    from export.finetune import FinetuneSettings
+def _finetune_settings(args: argparse.Namespace, preset: str = "full"):
+    """The profile's preset (export.finetune.FINETUNE_PRESETS), with the flags given on top."""
+    from dataclasses import replace
 
-    epochs = {} if args.epochs is None else {"nli_epochs": args.epochs, "rerank_epochs": args.epochs}
-    return FinetuneSettings(max_train_pairs=args.max_train_pairs, seed=args.seed, nli_bf16=args.bf16,
-                            nli_augment=args.nli_augment, nli_general_epochs=args.nli_general_epochs,
-                            nli_general_sources=args.nli_general_sources, **epochs)
+    from d2r_edge.errors import ConfigError
+    from export.finetune import FINETUNE_PRESETS
+
+    if preset not in FINETUNE_PRESETS:
+        raise ConfigError(f"unknown finetune preset {preset!r} in the profile; known: {', '.join(FINETUNE_PRESETS)}")
+    given = {"seed": args.seed, "nli_bf16": args.bf16}
+    if args.epochs is not None:
+        given.update(nli_epochs=args.epochs, rerank_epochs=args.epochs)
+    for flag, field_name in (("max_train_pairs", "max_train_pairs"), ("nli_general_epochs", "nli_general_epochs"),
+                             ("nli_general_sources", "nli_general_sources")):
+        if getattr(args, flag) is not None:
+            given[field_name] = getattr(args, flag)
+    if not args.nli_augment:
+        given["nli_augment"] = False
+    return replace(FINETUNE_PRESETS[preset], **given)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -80,7 +92,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir) if args.data_dir else None,
         seed=args.seed,
         random_init=args.random_init,
-        finetune=_finetune_settings(args),
+        finetune=_finetune_settings(args, build.profile_finetune_preset(
+            args.profile, Path(args.profiles) if args.profiles else Path(args.models_dir) / "profiles.toml")
+            if not args.random_init else "full"),
     )
     path = build.run_export(req)
     print(f"wrote {path}")
@@ -354,10 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
                    help="offline NLI: bfloat16 autocast while fine-tuning (auto: where the CPU has "
                         "avx512_bf16/AMX, ~1.5x faster steps; the reranker always trains in fp32)")
-    p.add_argument("--nli-general-epochs", type=int, default=1,
+    p.add_argument("--nli-general-epochs", type=int, default=None,
                    help="offline NLI: passes over the general NLI pairs (../shared/data/nli) before the "
-                        "FEVER/QA pairs; 0 skips that stage")
-    p.add_argument("--nli-general-sources", default="all",
+                        "FEVER/QA pairs (default 1); 0 skips that stage")
+    p.add_argument("--nli-general-sources", default=None,
                    help="offline NLI: the general pairs' sources: all, all,-SOURCE,..., or SOURCE,SOURCE")
     p.add_argument("--no-nli-augment", dest="nli_augment", action="store_false",
                    help="offline NLI: no synthetic pairs (negation flips and number swaps of "

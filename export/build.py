@@ -60,7 +60,14 @@ def load_profile(name: str, profiles_file: Path = PROFILES_FILE) -> dict[str, st
         raise UnknownProfileError(
             f"unknown profile {name!r}; profiles in {profiles_file.name}: {', '.join(table)}"
         )
-    return {k: v for k, v in table[name].items() if k != "description"}
+    return {k: v for k, v in table[name].items() if k not in ("description", "finetune")}
+
+
+def profile_finetune_preset(name: str, profiles_file: Path = PROFILES_FILE) -> str:
+    """The fine-tuning preset a profile names (`finetune = "quick"`), "full" by default."""
+    load_profile(name, profiles_file)
+    table = tomllib.loads(profiles_file.read_text(encoding="utf-8"))
+    return str(table[name].get("finetune", "full"))
 
 
 def parse_role_overrides(items: list[str]) -> dict[str, str]:

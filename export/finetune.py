@@ -114,6 +114,15 @@ def _nli_rows(role: str, sets: PairSets) -> list[tuple[str, str, int]]:
     return sets.nli_train
 
 
+# `finetune = "NAME"` in a profile of models/profiles.toml picks one of these; CLI flags override.
+FINETUNE_PRESETS = {
+    "full": FinetuneSettings(),
+    # the demo's NLI on a fresh machine: no reranker to start from (the profile has none), 16,000
+    # general pairs and one FEVER/QA epoch; its held-out figures go into its manifest like any build
+    "quick": FinetuneSettings(nli_init="base", nli_epochs=1, max_train_pairs=16000),
+}
+
+
 def pairs_sha256(role: str, sets: PairSets) -> str:
     """The exact training data of `role`: a change in how pairs are built retrains."""
     rows = (_nli_rows(role, sets) if role.startswith("nli")

@@ -276,7 +276,7 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
         sets.nli_train += _mutations(synthetic, {_norm(r["question"]) for r in fever}, aug)
         sets.nli_train = [sets.nli_train[i] for i in aug.permutation(len(sets.nli_train))]
     if general_sources is not None:
-        sets.general = load_general(data, validation_texts(fever, qa), general_sources, max_train_pairs)
+        sets.general = load_general(data, validation_texts(fever, qa), general_sources, max_train_pairs, seed)
     if max_train_pairs:
         sets.nli_train = sets.nli_train[:max_train_pairs]
         sets.rerank_train = sets.rerank_train[:max(1, max_train_pairs // 8)]

@@ -65,7 +65,7 @@ def _wanted(source: str, spec: tuple[str, ...] | None) -> bool:
 
 
 def load_general(data: Path, validation_texts: set[str], sources: str = "all",
-                 max_pairs: int | None = None) -> GeneralPairs:
+                 max_pairs: int | None = None, seed: int = 0) -> GeneralPairs:
     """Training pairs and held-out groups from the general NLI file under `data`.
 
     validation_texts: dedupe_key() of every text of the validation split.
@@ -109,8 +109,12 @@ def load_general(data: Path, validation_texts: set[str], sources: str = "all",
             removed_validation += 1
             continue
         out.train.append((r["premise"], r["hypothesis"], LABELS[r["label"]]))
-    if max_pairs:
-        out.train = out.train[:max_pairs]
+    if max_pairs and len(out.train) > max_pairs:
+        # a seeded sample across sources (the file is grouped by source: its head is two of them)
+        import numpy as np
+
+        keep = np.sort(np.random.default_rng(seed).permutation(len(out.train))[:max_pairs])
+        out.train = [out.train[i] for i in keep]
     out.stats = {"file": GENERAL_FILE, "file_sha256": hashlib.sha256(raw).hexdigest(), "rows": len(rows),
                  "sources": "all" if spec is None else list(spec),
                  "sources_used": sorted({r["source"] for r in rows if _wanted(r["source"], spec)}),

@@ -74,3 +74,11 @@ def test_real_file_heldout_and_dedupe(shared_data):
     assert not heldout & {(p, h) for p, h, _ in g.train}
     val = {dedupe_key(h) for _, h, _ in sets.nli_val}
     assert not val & {dedupe_key(h) for _, h, _ in g.train}
+
+
+def test_a_slice_samples_across_sources(tmp_path):
+    rows = [_row(f"p{i}", f"h{i}", src="sick") for i in range(50)] + [_row(f"q{i}", f"g{i}", src="snli_dev")
+                                                                       for i in range(50)]
+    g = load_general(_write(tmp_path, rows), set(), max_pairs=20)
+    assert len(g.train) == 20 and {p[0] for p, _, _ in g.train} == {"p", "q"}
+    assert g.train == load_general(_write(tmp_path / "b", rows), set(), max_pairs=20).train   # seeded
