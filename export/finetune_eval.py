@@ -71,10 +71,12 @@ def validate_nli(manifest: Manifest, sets: PairSets) -> dict:
     general = {}
     for group, rows in (sets.general.heldout.items() if sets.general else ()):
         pg = np.array([lab for _, _, lab in rows])
+        pairs_g = [(p, h) for p, h, _ in rows]
         general[group] = {"pairs": len(rows), **{
-            f"model_{v.value}_accuracy": float(np.mean(m.score([(p, h) for p, h, _ in rows]).argmax(axis=1) == pg))
+            f"model_{v.value}_accuracy": float(np.mean(m.score(pairs_g).argmax(axis=1) == pg))
             for v, m in models.items()}}
-    return {"heldout_fever_pairs": len(val), "heldout_general": general, "gold_counts": {ID2LABEL[k]: int(np.sum(gold == k)) for k in ID2LABEL},
+    return {"heldout_fever_pairs": len(val), "heldout_general": general,
+            "gold_counts": {ID2LABEL[k]: int(np.sum(gold == k)) for k in ID2LABEL},
             "table": table,
             "int8_fp32_label_agreement": float(np.mean(preds[Variant.INT8] == preds[Variant.FP32])),
             "int8_rescore_margin": models[Variant.INT8].rescore_margin,
