@@ -134,6 +134,16 @@ def test_fever_sufficiency_follows_the_gold_label(tmp_path):
     assert s.type is ErrorType.FORMAT and not is_success(ts[2]) and not simple_format_rule(ts[2])
 
 
+def test_format_rules_for_names_plurals_and_numbers(tmp_path):
+    d = TrajectoryDiagnoser(WordNLI())
+    rows = [_traj("Who?", gold, pred, [("answer", pred)]) for pred, gold in (
+        ("naomi campbell", "Naomi Elaine Campbell"), ("ribosome", "ribosomes"), ("5", "five"),
+        ("boston celtics and orlando magic and spurs", "Boston Celtics"), ("Queen", "The Beatles"))]
+    ts = parse_file(_write(tmp_path, rows)).trajectories
+    assert [d.format_check(t)["rule"] for t in ts] == ["token_subset", "number_words_or_plural",
+                                                       "number_words_or_plural", None, None]
+
+
 def test_entity_provenance():
     # pronouns and a leading "The" are not names
     assert key_entities('He met "Big Ben" in 1961 and The Rolling Stones.') == ["Big Ben", "1961", "Rolling Stones"]

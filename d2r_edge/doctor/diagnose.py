@@ -3,10 +3,11 @@
 The paper's four phases, in its priority order, with checks a 22M-parameter
 NLI and a few rules can do instead of a distilled 8B diagnoser:
 
-1. Format: the prediction means the gold answer but fails EM (containment with
-   enough token overlap, number words, FEVER label spellings; where those cannot
-   decide and the two share a word, the NLI must entail each answer's statement
-   from the other's). Culprit: none.
+1. Format: the prediction means the gold answer but fails EM (containment or
+   one's words a subset of the other's, with token F1 >= 0.5; number words,
+   plurals; FEVER label spellings; where those cannot decide and the two share a
+   word, the NLI must entail each answer's statement from the other's).
+   Culprit: none.
 2. Evidence sufficiency over all the trajectory's evidence: a gold answer appears
    in it, or some evidence window entails the question-gold statement (FEVER:
    entails / contradicts the claim as the gold label says; a NOT ENOUGH INFO gold
@@ -159,12 +160,19 @@ class TrajectoryDiagnoser:
             return {"rule": "fever_label_spelling" if same else None, "format": same}
         f1 = token_f1(pred, t.gold)
         np_, golds = normalize_answer(pred), [normalize_answer(g) for g in t.gold]
-        words = {_WORD_NUMBERS.get(w, w) for w in np_.split()}
+
+        def stems(text: str) -> set[str]:       # number words as digits, a plural 's' dropped
+            return {_WORD_NUMBERS.get(w, w).removesuffix("s") if len(w) > 3 else _WORD_NUMBERS.get(w, w)
+                    for w in text.split()}
+
+        words = stems(np_)
         rule = None
         if np_ and any(g and (g in np_ or np_ in g) for g in golds) and f1 >= self.s.format_min_f1:
             rule = "containment"
-        elif np_ and any(words == {_WORD_NUMBERS.get(w, w) for w in g.split()} for g in golds):
-            rule = "number_words"
+        elif np_ and any(words == stems(g) for g in golds):
+            rule = "number_words_or_plural"
+        elif np_ and f1 >= self.s.format_min_f1 and any(words <= stems(g) or stems(g) <= words for g in golds):
+            rule = "token_subset"           # "naomi campbell" / "naomi elaine campbell"
         out = {"f1": round(f1, 3), "rule": rule, "format": rule is not None}
         if rule is None and f1 > 0:          # they share words, the rules cannot decide: NLI both ways
             a, b = statement(t.question, pred), statement(t.question, t.gold[0])
