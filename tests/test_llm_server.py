@@ -117,3 +117,27 @@ def test_eval_answers_qa_through_a_real_server(server, tiny_models, shared_data,
     before = (out / "generations.jsonl").read_bytes()
     assert main(argv) == 0
     assert (out / "generations.jsonl").read_bytes() == before
+
+
+def test_doctor_eval_through_a_real_server(server, tiny_models, shared_data, tmp_path):
+    """Trajectory repair end to end with a real LLM: every method repairs every failed
+    trajectory, token counts come from the server, a rerun asks the server nothing."""
+    from d2r_edge.cli import main
+
+    src = shared_data / "agentic_trajectories" / "reflexion_react_hotpotqa" / "dev.jsonl"
+    qa = tmp_path / "hotpot.jsonl"
+    qa.write_text("".join(list(open(shared_data / "hotpotqa" / "dev.jsonl", encoding="utf-8"))[:30]),
+                  encoding="utf-8")
+    out = tmp_path / "doctor"
+    argv = ["doctor", "eval", "--trajectories", str(src), "--extra-docs", str(qa), "--limit", "3",
+            "--models", str(tiny_models), "--allow-random-weights", "--base-url", server, "--model", "smollm2",
+            "--timeout-s", "120", "--methods", "drrag,rerun,no_localization", "--out", str(out)]
+    assert main(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["failed"] == 3 and set(s["methods"]) == {"drrag", "rerun", "no_localization"}
+    recs = [json.loads(x) for x in (out / "rerun.jsonl").read_text().splitlines()]
+    assert len(recs) == 3 and all(r["cost"]["llm_calls"] >= 1 and r["cost"]["prompt_tokens"] > 0 for r in recs)
+    assert all(r["kept_steps"] == 0 for r in recs)
+    before = {m: (out / f"{m}.jsonl").read_bytes() for m in s["methods"]}
+    assert main(argv) == 0
+    assert {m: (out / f"{m}.jsonl").read_bytes() for m in s["methods"]} == before
