@@ -175,7 +175,7 @@ class ScriptedChat:
     def __init__(self, rules):
         self.rules, self.prompts = rules, []
 
-    def __call__(self, messages, max_tokens, stop=None):
+    def __call__(self, messages, max_tokens, stop=None, json_mode=False):
         from d2r_edge.generate.openai_compat import ChatResult
 
         prompt = "\n".join(m["content"] for m in messages)
@@ -199,7 +199,13 @@ def test_repair_operators_keep_the_prefix_and_answer(tmp_path):
 
     span = best_span("the Beatles band", ["Abbey Road is an album by the Beatles."])
     assert span == ("Beatles", pytest.approx(2 / 3))
+    assert best_span("fortnightly women interest magazines",
+                     ["Woman's Era is a fortnightly women interest magazine, published in English."])[0] == \
+        "fortnightly women interest magazine"                      # plural-insensitive: the whole phrase
     assert extract_answer("So it is them. <answer>The Beatles</answer>") == "The Beatles"
+    from d2r_edge.doctor.repair import json_field
+    assert json_field("{'answer': 'The Beatles', reasoning: 'x'", "answer") == "The Beatles"   # repaired
+    assert json_field("no json here", "answer") is None
     v = answer_variants("The Beatles (band)")
     assert "Beatles" in v and "The Beatles" in v and len(v) == len(set(v))
     rows = [
@@ -217,9 +223,9 @@ def test_repair_operators_keep_the_prefix_and_answer(tmp_path):
               [("search", "Abbey Road"), ("evidence", "Abbey Road is a street in London."), ("answer", "unknown")]),
     ]
     ts = parse_file(_write(tmp_path, rows)).trajectories
-    chat = ScriptedChat([("Write one better search query", "Abbey Road album"),
+    chat = ScriptedChat([("Write one better search query", '{"query": "Abbey Road album"}'),
                          ("next Thought and Action", "Thought: look it up\nAction: search[Abbey Road album]"),
-                         ("Continue the reasoning", "It is by the Beatles. <answer>The Beatles</answer>")])
+                         ("Continue the reasoning", '{"reasoning": "It is by the Beatles.", "answer": "The Beatles"}')])
     search, calls = _search_log()
     d = TrajectoryDiagnoser(WordNLI())
     rep = Repairer(chat, search, d)
@@ -235,6 +241,21 @@ def test_repair_operators_keep_the_prefix_and_answer(tmp_path):
     assert rerun.kept_steps == 0 and rerun.cost.llm_calls == 5
     finish = Repairer(ScriptedChat([("next Thought", "Thought: known.\nAction: finish[The Beatles]")]), search, d)
     assert finish.repair(ts[2], d.diagnose(ts[2]), Method.NO_TAXONOMY).answer == "The Beatles"
+
+
+def test_fever_repairs_answer_with_a_label(tmp_path):
+    from d2r_edge.doctor.repair import Method, Repairer, fever_label_in
+
+    assert fever_label_in("It is refuted. <answer>The Beach (film)</answer>") == "REFUTES"
+    assert fever_label_in("Not enough information here") == "NOT ENOUGH INFO" and fever_label_in("no idea") is None
+    row = {"question": "Paris is in France.", "gold": "SUPPORTS", "prediction": "REFUTES", "task": "fever",
+           "steps": [{"type": "search", "text": "Paris"}, {"type": "evidence", "text": "Paris is in France."},
+                     {"type": "reasoning", "text": "So it is false."}, {"type": "answer", "text": "REFUTES"}]}
+    t = parse_file(_write(tmp_path, [row])).trajectories[0]
+    d = TrajectoryDiagnoser(WordNLI())
+    chat = ScriptedChat([("Continue the reasoning", "The claim is supported. <answer>Paris, France</answer>")])
+    r = Repairer(chat, _search_log()[0], d).repair(t, d.diagnose(t), Method.DRRAG)
+    assert r.type == "reasoning" and r.answer == "SUPPORTS"
 
 
 def test_doctor_eval_reports_and_resumes(tmp_path):

@@ -25,7 +25,8 @@ def _doctor_chat(args: argparse.Namespace):
     from d2r_edge.generate.openai_compat import OpenAICompatible, chat
 
     client = OpenAICompatible(args.base_url, args.model, args.api_key_env, args.timeout_s)
-    return lambda messages, max_tokens, stop=None: chat(client, messages, max_tokens, stop)
+    return lambda messages, max_tokens, stop=None, json_mode=False: chat(client, messages, max_tokens, stop,
+                                                                        json_mode)
 
 
 def _open_kb(path, embedder):

@@ -21,6 +21,7 @@ culprit) and `no_localization` (the type's operator from the start).
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -41,7 +42,8 @@ class Method(str, Enum):
 
 
 class Chat(Protocol):
-    def __call__(self, messages: list[dict], max_tokens: int, stop: list[str] | None = None):
+    def __call__(self, messages: list[dict], max_tokens: int, stop: list[str] | None = None,
+                 json_mode: bool = False):
         """-> an object with text, prompt_tokens, completion_tokens."""
 
 
@@ -87,26 +89,57 @@ _SYSTEM = ("You answer a question from documents. Use only facts stated in the d
            "The final answer is a short phrase (a name, date, number or a few words), not a sentence.")
 
 
+_LABELS = re.compile(r"\b(SUPPORTS|SUPPORTED|REFUTES|REFUTED|NOT ENOUGH INFO(?:RMATION)?)\b", re.I)
+
+
+def fever_label_in(text: str | None) -> str | None:
+    """The FEVER label a reply names (the last one), None when it names none."""
+    found = _LABELS.findall(text or "")
+    if not found:
+        return None
+    word = found[-1].upper()
+    return "SUPPORTS" if word.startswith("SUPPORT") else "REFUTES" if word.startswith("REFUT") else "NOT ENOUGH INFO"
+
+
+def json_field(text: str, key: str) -> str | None:
+    """`key` of the JSON object in `text` (repaired with json-repair when malformed), or None."""
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        from json_repair import repair_json
+
+        try:
+            obj = repair_json(text or "", return_objects=True)
+        except Exception:  # json-repair raises a few types on pathological input
+            obj = None
+    value = obj.get(key) if isinstance(obj, dict) else None
+    return str(value).strip() if value not in (None, "") else None
+
+
 def extract_answer(text: str) -> str:
     m = _ANSWER.search(text or "")
     ans = m.group(1) if m else (text or "").strip().splitlines()[-1] if (text or "").strip() else ""
     return ans.strip().strip(".").strip()
 
 
+def _stem(text: str) -> str:
+    return " ".join(w.removesuffix("s") if len(w) > 3 else w for w in normalize_answer(text).split())
+
+
 def best_span(prediction: str, texts: list[str], max_words: int = 8) -> tuple[str | None, float]:
     """The evidence n-gram with the best token F1 against the prediction (the answer as written there)."""
-    target = normalize_answer(prediction).split()
+    target = _stem(prediction).split()
     if not target:
         return None, 0.0
     best, score = None, 0.0
     for text in texts:
         words = text.split()
         for i, w in enumerate(words):
-            if normalize_answer(w) not in target:
+            if _stem(w) not in target:
                 continue
             for n in range(1, min(max_words, len(words) - i) + 1):
                 span = " ".join(words[i:i + n]).strip(" ,;:.()\"'")
-                f1 = token_f1(span, [prediction])
+                f1 = token_f1(_stem(span), [_stem(prediction)])
                 if f1 > score or (f1 == score and best is not None and len(span) < len(best)):
                     best, score = span, f1
     return best, score
@@ -143,8 +176,9 @@ class Repairer:
         self.chat, self.search, self.diagnoser, self.s = chat, search, diagnoser, settings
 
     # -- plumbing -----------------------------------------------------------------------------------
-    def _call(self, r: RepairResult, messages: list[dict], stop: list[str] | None = None) -> str:
-        out = self.chat(messages, self.s.answer_tokens, stop)
+    def _call(self, r: RepairResult, messages: list[dict], stop: list[str] | None = None,
+              json_mode: bool = False) -> str:
+        out = self.chat(messages, self.s.answer_tokens, stop, json_mode)
         r.cost.llm_calls += 1
         r.cost.prompt_tokens += int(out.prompt_tokens)
         r.cost.completion_tokens += int(out.completion_tokens)
@@ -160,14 +194,15 @@ class Repairer:
 
     def _answer_from(self, r: RepairResult, t: Trajectory, docs: list[str], reasoning: list[str]) -> str:
         kept = "\n".join(reasoning) or "(none)"
+        kind = ("one of SUPPORTS, REFUTES, NOT ENOUGH INFO (is the claim true?)" if t.task == "fever"
+                else "a short phrase: a name, date, number or a few words, not a sentence")
         user = (f"Question: {t.question}\n\nDocuments:\n{self._docs(docs)}\n\nReasoning so far (valid):\n{kept}\n\n"
-                f"Continue the reasoning in at most three sentences, using only the documents, then give the "
-                f"final answer inside <answer></answer> tags.")
-        if t.task == "fever":
-            user += " The answer is one of SUPPORTS, REFUTES, NOT ENOUGH INFO (is the claim true?)."
-        text = self._call(r, [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}])
+                f"Continue the reasoning in at most three sentences, using only the documents. Reply with JSON: "
+                f'{{"reasoning": "...", "answer": "..."}} where the answer is {kind}.')
+        text = self._call(r, [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}],
+                          json_mode=True)
         r.trace.append(text)
-        return extract_answer(text)
+        return json_field(text, "answer") or extract_answer(text)
 
     # -- operators ----------------------------------------------------------------------------------
     def format_op(self, r: RepairResult, t: Trajectory) -> None:
@@ -201,8 +236,9 @@ class Repairer:
         old = t.steps[action].text if action is not None else t.question
         user = (f"Question: {t.question}\nA search for \"{old}\" did not return what is needed. Write one better "
                 f"search query (the key names from the question, nothing invented). Reply with the query only.")
-        lines = self._call(r, [{"role": "user", "content": user}]).strip().strip('"').splitlines()
-        query = (lines[0].strip() if lines else "") or t.question
+        text = self._call(r, [{"role": "user", "content": user + ' Reply with JSON: {"query": "..."}'}],
+                          json_mode=True)
+        query = json_field(text, "query") or t.question
         r.trace.append(f"query: {query}")
         kept = [s.text for s in t.steps[:cut] if s.kind is StepKind.EVIDENCE]
         reasoning = [s.text for s in t.steps[:cut] if s.kind is StepKind.REASONING]
@@ -279,5 +315,8 @@ class Repairer:
                 self.retriever_op(r, t, start)
             else:
                 self.react_op(r, t, start)
+        if t.task == "fever" and r.answer is not None:
+            # a claim's answer is a label: the one the reply names, else the whole reply's last one
+            r.answer = fever_label_in(r.answer) or fever_label_in(r.trace[-1] if r.trace else None)
         r.wall_s = time.perf_counter() - t0
         return r

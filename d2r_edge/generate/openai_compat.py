@@ -108,14 +108,22 @@ class ChatResult:
 
 
 def chat(client: OpenAICompatible, messages: list[dict], max_tokens: int = 256,
-         stop: list[str] | None = None) -> ChatResult:
-    """One plain chat completion (no JSON mode) with the server's token counts."""
+         stop: list[str] | None = None, json_mode: bool = False) -> ChatResult:
+    """One chat completion with the server's token counts; json_mode asks for a JSON object
+    (dropped, for this client from then on, if the server rejects it)."""
     payload = {"model": client.model, "temperature": client.temperature, "max_tokens": max_tokens,
                "messages": messages}
     if stop:
         payload["stop"] = stop
+    if json_mode and client.json_mode:
+        payload["response_format"] = {"type": "json_object"}
     t0 = time.perf_counter()
-    body = client._post(payload)
+    try:
+        body = client._post(payload)
+    except _RejectedJSONMode:
+        client.json_mode = False
+        payload.pop("response_format")
+        body = client._post(payload)
     try:
         text = body["choices"][0]["message"]["content"] or ""
     except (KeyError, IndexError, TypeError):
