@@ -158,7 +158,7 @@ def answer_variants(answer: str, extra: list[str] = ()) -> list[str]:
         out += [a, a.lower(), a.title(), no_paren, no_article, f"the {no_article}",
                 no_article.replace("-", " "), no_article.replace("&", "and"), re.sub(r"[.,]", "", a)]
         if len(words) > 1:
-            out += [words[-1], words[0], " ".join(words[:-1]), " ".join(words[1:])]
+            out += [words[-1], " ".join(words[:-1]), " ".join(words[1:])]     # surname-style shortenings
         out += [re.sub(r"\b(\d+)(st|nd|rd|th)\b", r"\1", a), re.sub(r",(\d{3})", r"\1", a)]
     seen, uniq = set(), []
     for v in out:
