@@ -22,11 +22,12 @@ def _doctor_models(args: argparse.Namespace):
 
 
 def _doctor_chat(args: argparse.Namespace):
-    from d2r_edge.generate.openai_compat import OpenAICompatible, chat
+    """The client's `complete`: repairs and the LLM diagnoser ask for JSON only where they say so."""
+    from d2r_edge.generate.openai_compat import OpenAICompatible
 
     client = OpenAICompatible(args.base_url, args.model, args.api_key_env, args.timeout_s)
-    return lambda messages, max_tokens, stop=None, json_mode=False: chat(client, messages, max_tokens, stop,
-                                                                        json_mode)
+    return lambda messages, max_tokens, stop=None, json_mode=False: client.complete(messages, max_tokens, stop,
+                                                                                   json_mode)
 
 
 def _open_kb(path, embedder):

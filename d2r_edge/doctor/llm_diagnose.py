@@ -9,10 +9,9 @@ diagnoser's answer and is counted, so the agreement figure stays honest.
 
 from __future__ import annotations
 
-import json
-
 from d2r_edge.doctor.diagnose import DoctorDiagnosis, ErrorType
 from d2r_edge.doctor.trajectory import Trajectory
+from d2r_edge.generate.base import json_object
 
 PROMPT = """You are checking why a search agent answered a question wrongly.
 The gold answer is correct; do not question it.
@@ -38,19 +37,6 @@ Reply with JSON only: {{"type": "format|reasoning|retriever|search", "culprit": 
 "evidence_sufficient": true|false}}"""
 
 
-def _json(text: str) -> dict:
-    try:
-        obj = json.loads(text)
-    except (json.JSONDecodeError, TypeError):
-        from json_repair import repair_json
-
-        try:
-            obj = repair_json(text or "", return_objects=True)
-        except Exception:  # json-repair raises a few types on pathological input
-            obj = None
-    return obj if isinstance(obj, dict) else {}
-
-
 class LLMDiagnoser:
     """`diagnose(trajectory, fallback)`: the LLM's call, or `fallback`'s where the reply is unusable."""
 
@@ -63,7 +49,7 @@ class LLMDiagnoser:
 
     def diagnose(self, t: Trajectory, fallback: DoctorDiagnosis) -> DoctorDiagnosis:
         out = self.chat([{"role": "user", "content": self.prompt(t)}], self.max_tokens)
-        obj = _json(out.text)
+        obj = json_object(out.text)
         labels = {s.label for s in t.steps}
         try:
             kind = ErrorType(str(obj.get("type", "")).strip().lower())

@@ -21,7 +21,6 @@ culprit) and `no_localization` (the type's operator from the start).
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from typing import Callable, Protocol
 from d2r_edge.doctor.diagnose import DoctorDiagnosis, ErrorType, TrajectoryDiagnoser
 from d2r_edge.doctor.trajectory import StepKind, Trajectory
 from d2r_edge.eval.metrics import normalize_answer, token_f1
+from d2r_edge.generate.base import json_object
 
 
 class Method(str, Enum):
@@ -103,16 +103,7 @@ def fever_label_in(text: str | None) -> str | None:
 
 def json_field(text: str, key: str) -> str | None:
     """`key` of the JSON object in `text` (repaired with json-repair when malformed), or None."""
-    try:
-        obj = json.loads(text)
-    except (json.JSONDecodeError, TypeError):
-        from json_repair import repair_json
-
-        try:
-            obj = repair_json(text or "", return_objects=True)
-        except Exception:  # json-repair raises a few types on pathological input
-            obj = None
-    value = obj.get(key) if isinstance(obj, dict) else None
+    value = json_object(text).get(key)
     return str(value).strip() if value not in (None, "") else None
 
 

@@ -26,9 +26,8 @@ class Generator(Protocol):
         ...
 
 
-def parse_output(task: Task, text: str) -> Generation:
-    """Read the JSON the prompt asks for; repair it with json-repair when malformed."""
-    obj = None
+def json_object(text: str | None) -> dict:
+    """The JSON object in a model's reply, repaired with json-repair when malformed; {} if none."""
     try:
         obj = json.loads(text)
     except (json.JSONDecodeError, TypeError):
@@ -38,8 +37,12 @@ def parse_output(task: Task, text: str) -> Generation:
             obj = repair_json(text or "", return_objects=True)
         except Exception:  # json-repair raises a few types on pathological input
             obj = None
-    if not isinstance(obj, dict):
-        obj = {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def parse_output(task: Task, text: str) -> Generation:
+    """Read the JSON the prompt asks for; repair it with json-repair when malformed."""
+    obj = json_object(text)
     if task.fact_verification:
         label = Label.parse(obj.get("label"))
         if label is None:  # a bare word answer, e.g. "SUPPORTS."

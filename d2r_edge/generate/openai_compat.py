@@ -78,13 +78,17 @@ class OpenAICompatible:
         raise GeneratorError(f"generator at {self.base_url} failed after {self.max_retries + 1} "
                              f"attempt(s): {last}")
 
-    def generate(self, task: Task, style: PromptStyle, query: str, passages: list[str]) -> Generation:
-        prompt = build_prompt(task, style, query, passages)
-        payload = {"model": self.model, "temperature": self.temperature, "max_tokens": self.max_tokens,
-                   "messages": [{"role": "system", "content": prompt.system},
-                                {"role": "user", "content": prompt.user}]}
-        if self.json_mode:
+    def complete(self, messages: list[dict], max_tokens: int | None = None, stop: list[str] | None = None,
+                 json_mode: bool | None = None) -> "ChatResult":
+        """One chat completion with the server's token counts. json_mode (default: this client's)
+        asks for a JSON object; a server that rejects it is asked without, from then on."""
+        payload = {"model": self.model, "temperature": self.temperature,
+                   "max_tokens": self.max_tokens if max_tokens is None else max_tokens, "messages": messages}
+        if stop:
+            payload["stop"] = stop
+        if (self.json_mode if json_mode is None else json_mode) and self.json_mode:
             payload["response_format"] = {"type": "json_object"}
+        t0 = time.perf_counter()
         try:
             body = self._post(payload)
         except _RejectedJSONMode:
@@ -96,7 +100,14 @@ class OpenAICompatible:
             text = body["choices"][0]["message"]["content"] or ""
         except (KeyError, IndexError, TypeError):
             raise GeneratorError(f"generator at {self.base_url} returned no choices: {str(body)[:200]}") from None
-        return parse_output(task, text)
+        usage = body.get("usage") or {}
+        return ChatResult(text, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+                          time.perf_counter() - t0)
+
+    def generate(self, task: Task, style: PromptStyle, query: str, passages: list[str]) -> Generation:
+        prompt = build_prompt(task, style, query, passages)
+        out = self.complete([{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}])
+        return parse_output(task, out.text)
 
 
 @dataclass(frozen=True)
@@ -105,32 +116,6 @@ class ChatResult:
     prompt_tokens: int
     completion_tokens: int
     latency_s: float
-
-
-def chat(client: OpenAICompatible, messages: list[dict], max_tokens: int = 256,
-         stop: list[str] | None = None, json_mode: bool = False) -> ChatResult:
-    """One chat completion with the server's token counts; json_mode asks for a JSON object
-    (dropped, for this client from then on, if the server rejects it)."""
-    payload = {"model": client.model, "temperature": client.temperature, "max_tokens": max_tokens,
-               "messages": messages}
-    if stop:
-        payload["stop"] = stop
-    if json_mode and client.json_mode:
-        payload["response_format"] = {"type": "json_object"}
-    t0 = time.perf_counter()
-    try:
-        body = client._post(payload)
-    except _RejectedJSONMode:
-        client.json_mode = False
-        payload.pop("response_format")
-        body = client._post(payload)
-    try:
-        text = body["choices"][0]["message"]["content"] or ""
-    except (KeyError, IndexError, TypeError):
-        raise GeneratorError(f"generator at {client.base_url} returned no choices: {str(body)[:200]}") from None
-    usage = body.get("usage") or {}
-    return ChatResult(text, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
-                      time.perf_counter() - t0)
 
 
 class _RejectedJSONMode(Exception):
