@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from d2r_edge.doctor.diagnose import DoctorSettings, TrajectoryDiagnoser, is_success
+from d2r_edge.doctor.diagnose import DoctorSettings, TrajectoryDiagnoser, answer_in, is_success
 from d2r_edge.doctor.parse import TrajectoryFormat, parse_file
 from d2r_edge.doctor.trajectory import StepKind, Trajectory
 from d2r_edge.eval.metrics import normalize_answer, token_f1
@@ -47,21 +47,20 @@ def simple_sufficiency_rule(t: Trajectory) -> bool | None:
     """The checkable sufficiency label (QA): a gold answer appears in the evidence. None for FEVER."""
     if t.task == "fever":
         return None
-    text = f" {normalize_answer(' '.join(s.text for s in t.of(StepKind.EVIDENCE)))} "
-    return any((g := normalize_answer(x)) and f" {g} " in text for x in t.gold)
+    return answer_in(t.gold, " ".join(s.text for s in t.of(StepKind.EVIDENCE)))
 
 
-def _done(out: Path) -> dict[int, dict]:
-    if not out.is_file():
-        return {}
+def read_records(path: Path, key: str) -> dict:
+    """JSONL records by `key`, up to the first unreadable line (a torn last line from a kill)."""
     done = {}
-    with open(out, encoding="utf-8") as fh:
-        for text in fh:
-            try:
-                rec = json.loads(text)
-                done[int(rec["line"])] = rec
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                break          # a torn last line from a kill: recomputed
+    if path.is_file():
+        with open(path, encoding="utf-8") as fh:
+            for text in fh:
+                try:
+                    rec = json.loads(text)
+                    done[rec[key]] = rec
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    break
     return done
 
 
@@ -85,7 +84,7 @@ def run_diagnose(req: DiagnoseRequest, nli, llm=None) -> dict:
     """NLI diagnoses; with `llm` (an LLMDiagnoser) the LLM's, each record keeping the NLI's call."""
     parsed = parse_file(req.trajectories, req.fmt)
     failed = [t for t in parsed.trajectories if not is_success(t)][:req.limit]
-    done = _done(req.out)
+    done = {int(k): v for k, v in read_records(req.out, "line").items()}
     diagnoser = TrajectoryDiagnoser(nli, req.settings)
     req.out.parent.mkdir(parents=True, exist_ok=True)
     records = []

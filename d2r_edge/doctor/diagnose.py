@@ -36,7 +36,7 @@ from enum import Enum
 import numpy as np
 
 from d2r_edge.doctor.trajectory import Step, StepKind, Trajectory
-from d2r_edge.eval.metrics import normalize_answer, token_f1
+from d2r_edge.eval.metrics import exact_match, normalize_answer, token_f1
 from d2r_edge.hypothesis import statement
 
 
@@ -111,18 +111,34 @@ def sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENT.split(" ".join(text.split())) if s.strip()]
 
 
-def _answer_in(answers: tuple[str, ...], text: str) -> bool:
+def answer_in(answers: tuple[str, ...], text: str) -> bool:
+    """A gold answer appears in `text` (SQuAD-normalized, on word boundaries)."""
     norm = f" {normalize_answer(text)} "
     return any(a and f" {a} " in norm for a in (normalize_answer(x) for x in answers))
 
 
-def is_success(t: Trajectory) -> bool:
-    if t.prediction is None:
+_FEVER_SPELLINGS = {"SUPPORTED": "SUPPORTS", "SUPPORT": "SUPPORTS", "TRUE": "SUPPORTS", "REFUTED": "REFUTES",
+                    "FALSE": "REFUTES", "NEI": "NOT ENOUGH INFO", "NOT ENOUGH INFORMATION": "NOT ENOUGH INFO"}
+
+
+def fever_spelling(text: str | None) -> str | None:
+    """The FEVER label a prediction spells, in any of its usual spellings; None if none."""
+    p = re.sub(r"[^A-Z ]", "", (text or "").upper().replace("_", " ")).strip()
+    label = _FEVER_SPELLINGS.get(p, p)
+    return label if label in ("SUPPORTS", "REFUTES", "NOT ENOUGH INFO") else None
+
+
+def answer_correct(t: Trajectory, answer: str | None) -> bool:
+    """Strict EM of `answer` for the trajectory's question (FEVER: the label, case aside)."""
+    if answer is None:
         return False
     if t.task == "fever":
-        return t.prediction.strip().upper() == t.gold[0].strip().upper()
-    p = normalize_answer(t.prediction)
-    return any(p == normalize_answer(g) for g in t.gold)
+        return answer.strip().upper() == t.gold[0].strip().upper()
+    return bool(exact_match(answer, t.gold))
+
+
+def is_success(t: Trajectory) -> bool:
+    return answer_correct(t, t.prediction)
 
 
 class TrajectoryDiagnoser:
@@ -153,10 +169,7 @@ class TrajectoryDiagnoser:
     def format_check(self, t: Trajectory) -> dict:
         pred = t.prediction or ""
         if t.task == "fever":
-            p = re.sub(r"[^A-Z ]", "", pred.upper().replace("_", " ")).strip()
-            spelled = {"SUPPORTED": "SUPPORTS", "SUPPORT": "SUPPORTS", "TRUE": "SUPPORTS", "REFUTED": "REFUTES",
-                       "FALSE": "REFUTES", "NEI": "NOT ENOUGH INFO", "NOT ENOUGH INFORMATION": "NOT ENOUGH INFO"}
-            same = bool(pred) and spelled.get(p, p) == t.gold[0].upper()
+            same = bool(pred) and fever_spelling(pred) == t.gold[0].upper()
             return {"rule": "fever_label_spelling" if same else None, "format": same}
         f1 = token_f1(pred, t.gold)
         np_, golds = normalize_answer(pred), [normalize_answer(g) for g in t.gold]
@@ -192,7 +205,7 @@ class TrajectoryDiagnoser:
             ok = (ent if gold == "SUPPORTS" else con) >= self.s.entail_threshold
             return {"sufficient": ok, "rule": "nli_verdict" if ok else None,
                     "nli_entail": round(ent, 3), "nli_contradict": round(con, 3)}
-        if _answer_in(t.gold, " ".join(evidence)):
+        if answer_in(t.gold, " ".join(evidence)):
             return {"sufficient": True, "rule": "gold_in_evidence", "gold_in_evidence": True}
         ent, _ = self._best(self._windows(evidence), statement(t.question, t.gold[0]))
         ok = ent >= self.s.entail_threshold

@@ -16,13 +16,13 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from d2r_edge.doctor.commands import simple_format_rule, simple_sufficiency_rule
-from d2r_edge.doctor.diagnose import DoctorDiagnosis, ErrorType, TrajectoryDiagnoser, is_success
+from d2r_edge.doctor.commands import read_records, simple_format_rule, simple_sufficiency_rule
+from d2r_edge.doctor.diagnose import DoctorDiagnosis, ErrorType, TrajectoryDiagnoser, answer_correct, is_success
 from d2r_edge.doctor.parse import TrajectoryFormat, parse_file
 from d2r_edge.doctor.repair import Method, Repairer, RepairSettings
 from d2r_edge.doctor.trajectory import StepKind, Trajectory
 from d2r_edge.errors import InputError
-from d2r_edge.eval.metrics import exact_match, normalize_answer, token_f1
+from d2r_edge.eval.metrics import normalize_answer, token_f1
 from d2r_edge.retrieval.docs import Document
 
 log = logging.getLogger(__name__)
@@ -69,14 +69,6 @@ def observation_docs(trajectories: list[Trajectory]) -> list[Document]:
     return list(docs.values())
 
 
-def correct(t: Trajectory, answer: str | None) -> float:
-    if answer is None:
-        return 0.0
-    if t.task == "fever":
-        return float(answer.strip().upper() == t.gold[0].strip().upper())
-    return exact_match(answer, t.gold)
-
-
 def rouge_l(prediction: str | None, gold: tuple[str, ...]) -> float:
     """ROUGE-L F1 on normalized tokens, best over the gold answers."""
     p = normalize_answer(prediction or "").split()
@@ -99,7 +91,7 @@ def rouge_l(prediction: str | None, gold: tuple[str, ...]) -> float:
 
 
 def _f1(t: Trajectory, answer: str | None) -> float:
-    return correct(t, answer) if t.task == "fever" else token_f1(answer or "", t.gold)
+    return float(answer_correct(t, answer)) if t.task == "fever" else token_f1(answer or "", t.gold)
 
 
 def diagnosis_correct(rec: dict) -> bool | None:
@@ -111,18 +103,6 @@ def diagnosis_correct(rec: dict) -> bool | None:
         return True
     g = checks["gold_in_evidence"]
     return None if g is None else rec["sufficient"] == g
-
-
-def _jsonl(path: Path) -> dict[str, dict]:
-    out = {}
-    if path.is_file():
-        for text in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(text)
-                out[rec["key"]] = rec
-            except (json.JSONDecodeError, KeyError, TypeError):
-                break
-    return out
 
 
 def method_table(method: str, recs: list[dict], by_key: dict, n_all: int) -> dict:
@@ -171,7 +151,7 @@ def run_doctor_eval(s: DoctorEvalSettings, nli, chat, search) -> dict:
         files.append({"file": str(path), "format": parsed.format.value, "parsed": len(parsed.trajectories),
                       "succeeded": ok, "failed_used": len(fl), "skipped_malformed": len(parsed.issues)})
     diag_path = s.out / "diagnoses.jsonl"
-    diagnoses = _jsonl(diag_path)
+    diagnoses = read_records(diag_path, "key")
     with open(diag_path, "a", encoding="utf-8") as fh:
         for key, t in failed:
             if key not in diagnoses:
@@ -184,7 +164,7 @@ def run_doctor_eval(s: DoctorEvalSettings, nli, chat, search) -> dict:
     tables = {}
     for method in s.methods:
         path = s.out / f"{method.value}.jsonl"
-        done = _jsonl(path)
+        done = read_records(path, "key")
         with open(path, "a", encoding="utf-8") as fh:
             for n, (key, t) in enumerate(failed):
                 if key in done:
@@ -192,8 +172,9 @@ def run_doctor_eval(s: DoctorEvalSettings, nli, chat, search) -> dict:
                 d = diagnoses[key]
                 dd = DoctorDiagnosis(t.line, ErrorType(d["type"]), d["culprit"], d["sufficient"], d["signals"])
                 r = repairer.repair(t, dd, method).record()
-                r.update({"key": key, "correct": correct(t, r["answer"]),
-                          "any_variant": float(any(correct(t, v) for v in r["variants"])) if r["variants"] else None,
+                r.update({"key": key, "correct": float(answer_correct(t, r["answer"])),
+                          "any_variant": (float(any(answer_correct(t, v) for v in r["variants"])) if r["variants"]
+                                          else None),
                           "f1_before": _f1(t, t.prediction), "f1_after": _f1(t, r["answer"]),
                           "rouge_before": rouge_l(t.prediction, t.gold), "rouge_after": rouge_l(r["answer"], t.gold)})
                 done[key] = r

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Callable
 
 from d2r_edge.doctor.evaluate import observation_docs
 from d2r_edge.doctor.parse import TrajectoryFormat, parse_file
 from d2r_edge.eval.querysets import load_queryset
+from d2r_edge.retrieval.docs import Document
 from d2r_edge.retrieval.retriever import RetrievalConfig, Retriever
 
 
@@ -18,27 +17,14 @@ def build_doctor_kb(trajectories: list[Path], extra: list[Path], out: Path, embe
     """Observations of every trajectory + paragraphs of `extra` query files; cached by input hash."""
     from d2r_edge.retrieval.kb import KnowledgeBase
 
-    docs, seen = [], set()
+    docs: dict[str, Document] = {}
     for path in trajectories:
         for d in observation_docs(parse_file(path, fmt).trajectories):
-            if d.id not in seen:
-                seen.add(d.id)
-                docs.append({"id": d.id, "title": d.title, "text": d.text})
+            docs.setdefault(d.id, d)
     for path in extra:
         for d in load_queryset(path).documents:
-            if d.id not in seen:
-                seen.add(d.id)
-                docs.append({"id": d.id, "title": d.title, "text": d.text})
-    out.mkdir(parents=True, exist_ok=True)
-    text = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs)
-    digest = hashlib.sha256(text.encode()).hexdigest()
-    docs_path, stamp, kb_dir = out / "kb-docs.jsonl", out / "kb.input-sha256", out / "kb"
-    if stamp.is_file() and stamp.read_text().strip() == digest and (kb_dir / "manifest.json").is_file():
-        return KnowledgeBase.open(kb_dir, embedder)
-    docs_path.write_text(text, encoding="utf-8")
-    kb = KnowledgeBase.build(docs_path, kb_dir, embedder)
-    stamp.write_text(digest + "\n")
-    return kb
+            docs.setdefault(d.id, d)
+    return KnowledgeBase.cached(list(docs.values()), out, embedder)
 
 
 def kb_search(kb, embedder, reranker=None, candidates: int = 10) -> Callable[[str, int], list[str]]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Protocol
 
-from d2r_edge.doctor.diagnose import DoctorDiagnosis, ErrorType, TrajectoryDiagnoser
+from d2r_edge.doctor.diagnose import DoctorDiagnosis, ErrorType, TrajectoryDiagnoser, fever_spelling
 from d2r_edge.doctor.trajectory import StepKind, Trajectory
 from d2r_edge.eval.metrics import normalize_answer, token_f1
 from d2r_edge.generate.base import json_object
@@ -198,10 +198,8 @@ class Repairer:
     # -- operators ----------------------------------------------------------------------------------
     def format_op(self, r: RepairResult, t: Trajectory) -> None:
         evidence = [s.text for s in t.of(StepKind.EVIDENCE)]
-        if t.task == "fever":
-            word = normalize_answer(t.prediction or "")
-            label = ("SUPPORTS" if word.startswith("support") or word == "true" else
-                     "REFUTES" if word.startswith("refut") or word == "false" else "NOT ENOUGH INFO")
+        if t.task == "fever":          # a Format call means the prediction spells the gold label
+            label = fever_spelling(t.prediction) or "NOT ENOUGH INFO"
             r.answer, r.variants = label, [label]
             r.kept_steps = len(t.steps)
             return

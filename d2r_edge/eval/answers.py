@@ -15,7 +15,6 @@ and are computed once; the report says so.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass, field, replace
@@ -154,22 +153,13 @@ def build_kb(s: EvalSettings, sets: list[QuerySet], embedder):
         for d in qs.documents:
             if d.id not in seen:
                 seen.add(d.id)
-                docs.append({"id": d.id, "title": d.title, "text": d.text})
+                docs.append(d)
     for path in s.extra_docs:
         for d in read_documents(path, known_ids=frozenset(seen)).documents:
             if d.id not in seen:
                 seen.add(d.id)
-                docs.append({"id": d.id, "title": d.title, "text": d.text})
-    s.out.mkdir(parents=True, exist_ok=True)
-    text = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs)
-    digest = hashlib.sha256(text.encode()).hexdigest()
-    docs_path, stamp, kb_dir = s.out / "kb-docs.jsonl", s.out / "kb.input-sha256", s.out / "kb"
-    if stamp.is_file() and stamp.read_text().strip() == digest and (kb_dir / "manifest.json").is_file():
-        return KnowledgeBase.open(kb_dir, embedder)
-    docs_path.write_text(text, encoding="utf-8")
-    kb = KnowledgeBase.build(docs_path, kb_dir, embedder)
-    stamp.write_text(digest + "\n")
-    return kb
+                docs.append(d)
+    return KnowledgeBase.cached(docs, s.out, embedder)
 
 
 # --- the shared outcomes --------------------------------------------------------------

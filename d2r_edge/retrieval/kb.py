@@ -193,6 +193,22 @@ class KnowledgeBase:
         kb.directory = directory
         return kb
 
+    @classmethod
+    def cached(cls, docs: list[Document], out: Path, embedder) -> "KnowledgeBase":
+        """The KB of `docs` under out/kb, rebuilt only when their content changes
+        (out/kb-docs.jsonl is the input, out/kb.input-sha256 its hash)."""
+        out.mkdir(parents=True, exist_ok=True)
+        text = "".join(json.dumps({"id": d.id, "title": d.title, "text": d.text}, ensure_ascii=False) + "\n"
+                       for d in docs)
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        docs_path, stamp, kb_dir = out / "kb-docs.jsonl", out / "kb.input-sha256", out / "kb"
+        if stamp.is_file() and stamp.read_text().strip() == digest and (kb_dir / "manifest.json").is_file():
+            return cls.open(kb_dir, embedder)
+        docs_path.write_text(text, encoding="utf-8")
+        kb = cls.build(docs_path, kb_dir, embedder)
+        stamp.write_text(digest + "\n")
+        return kb
+
     @staticmethod
     def _embed_resumable(embedder, chunks: list[dict], shards: Path, shard_size: int) -> np.ndarray:
         parts = []
