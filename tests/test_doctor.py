@@ -281,6 +281,13 @@ def test_doctor_eval_reports_and_resumes(tmp_path):
     assert "| drrag | 100.0 |" in (tmp_path / "ev" / "report.md").read_text()
     n_calls = len(chat.prompts)
     assert run_doctor_eval(s, WordNLI(), chat, search)["methods"] == m and len(chat.prompts) == n_calls
+    # a kill mid-write leaves a torn last line: that record is redone, the others are not
+    path = tmp_path / "ev" / "drrag.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:25])
+    assert run_doctor_eval(s, WordNLI(), chat, search)["methods"] == m
+    assert len(chat.prompts) == n_calls + 1
+    assert [json.loads(x)["key"] for x in path.read_text().splitlines()] == [json.loads(x)["key"] for x in lines]
     assert rouge_l("the Beatles band", ("The Beatles",)) == pytest.approx(2 / 3)
     with pytest.raises(InputError, match="unknown doctor method"):
         parse_doctor_methods("drrag,magic")

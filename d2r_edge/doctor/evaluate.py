@@ -105,6 +105,13 @@ def diagnosis_correct(rec: dict) -> bool | None:
     return None if g is None else rec["sufficient"] == g
 
 
+def _keep_readable(path: Path, records: dict) -> None:
+    """Rewrite `path` with its readable records: appending after a torn line would bury the new ones."""
+    if path.is_file():
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records.values()),
+                        encoding="utf-8")
+
+
 def method_table(method: str, recs: list[dict], by_key: dict, n_all: int) -> dict:
     fixed = [r["correct"] for r in recs]
     types: dict[str, list[float]] = defaultdict(list)
@@ -152,6 +159,7 @@ def run_doctor_eval(s: DoctorEvalSettings, nli, chat, search) -> dict:
                       "succeeded": ok, "failed_used": len(fl), "skipped_malformed": len(parsed.issues)})
     diag_path = s.out / "diagnoses.jsonl"
     diagnoses = read_records(diag_path, "key")
+    _keep_readable(diag_path, diagnoses)
     with open(diag_path, "a", encoding="utf-8") as fh:
         for key, t in failed:
             if key not in diagnoses:
@@ -165,6 +173,7 @@ def run_doctor_eval(s: DoctorEvalSettings, nli, chat, search) -> dict:
     for method in s.methods:
         path = s.out / f"{method.value}.jsonl"
         done = read_records(path, "key")
+        _keep_readable(path, done)
         with open(path, "a", encoding="utf-8") as fh:
             for n, (key, t) in enumerate(failed):
                 if key in done:
