@@ -51,7 +51,7 @@ class ExportRequest:
     finetune: object | None = None     # export.finetune.FinetuneSettings for finetune: sources
 
 
-def load_profile(name: str, profiles_file: Path = PROFILES_FILE) -> dict[str, str]:
+def _profile_table(name: str, profiles_file: Path) -> dict:
     try:
         table = tomllib.loads(profiles_file.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -60,14 +60,17 @@ def load_profile(name: str, profiles_file: Path = PROFILES_FILE) -> dict[str, st
         raise UnknownProfileError(
             f"unknown profile {name!r}; profiles in {profiles_file.name}: {', '.join(table)}"
         )
-    return {k: v for k, v in table[name].items() if k not in ("description", "finetune")}
+    return table[name]
+
+
+def load_profile(name: str, profiles_file: Path = PROFILES_FILE) -> dict[str, str]:
+    """role -> source of a profile (its `description` and `finetune` keys are not roles)."""
+    return {k: v for k, v in _profile_table(name, profiles_file).items() if k not in ("description", "finetune")}
 
 
 def profile_finetune_preset(name: str, profiles_file: Path = PROFILES_FILE) -> str:
     """The fine-tuning preset a profile names (`finetune = "quick"`), "full" by default."""
-    load_profile(name, profiles_file)
-    table = tomllib.loads(profiles_file.read_text(encoding="utf-8"))
-    return str(table[name].get("finetune", "full"))
+    return str(_profile_table(name, profiles_file).get("finetune", "full"))
 
 
 def parse_role_overrides(items: list[str]) -> dict[str, str]:

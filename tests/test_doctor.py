@@ -88,9 +88,9 @@ def test_malformed_lines_are_reported_and_skipped(tmp_path):
         parse_file(tmp_path / "missing.jsonl")
 
 
-def test_phases_in_priority_order(tmp_path):
-    d = TrajectoryDiagnoser(WordNLI())
-    rows = [
+def _abbey_rows():
+    """One question, four failures: format, reasoning, search (all queries poisoned), retriever."""
+    return [
         # 1. format: the same answer, longer surface form
         _traj("Which band released Abbey Road?", "The Beatles", "the Beatles band",
               [("search", "Abbey Road"), ("evidence", "Abbey Road is an album by the Beatles."),
@@ -110,6 +110,11 @@ def test_phases_in_priority_order(tmp_path):
               [("search", "Abbey Road"), ("evidence", "Abbey Road is a street in London."),
                ("search", "Paul Smith"), ("evidence", "Paul Smith is a designer."), ("answer", "unknown")]),
     ]
+
+
+def test_phases_in_priority_order(tmp_path):
+    d = TrajectoryDiagnoser(WordNLI())
+    rows = _abbey_rows()
     ts = parse_file(_write(tmp_path, rows)).trajectories
     got = [d.diagnose(t) for t in ts]
     assert [(g.type, g.culprit) for g in got] == [
@@ -208,20 +213,7 @@ def test_repair_operators_keep_the_prefix_and_answer(tmp_path):
     assert json_field("no json here", "answer") is None
     v = answer_variants("The Beatles (band)")
     assert "Beatles" in v and "The Beatles" in v and len(v) == len(set(v))
-    rows = [
-        _traj("Which band released Abbey Road?", "The Beatles", "the Beatles band",
-              [("search", "Abbey Road"), ("evidence", "Abbey Road is an album by the Beatles."),
-               ("answer", "the Beatles band")]),
-        _traj("Which band released Abbey Road?", "The Beatles", "The Rolling Stones",
-              [("reasoning", "I need to search Abbey Road."), ("search", "Abbey Road"),
-               ("evidence", "Abbey Road is an album by the Beatles."),
-               ("reasoning", "Abbey Road was released by Decca Records."), ("answer", "The Rolling Stones")]),
-        _traj("Which band released Abbey Road?", "The Beatles", "Decca",
-              [("reasoning", "It was probably Decca Records."), ("search", "Decca Records"),
-               ("evidence", "Decca Records is a British label."), ("answer", "Decca")]),
-        _traj("Which band released Abbey Road?", "The Beatles", "unknown",
-              [("search", "Abbey Road"), ("evidence", "Abbey Road is a street in London."), ("answer", "unknown")]),
-    ]
+    rows = _abbey_rows()
     ts = parse_file(_write(tmp_path, rows)).trajectories
     chat = ScriptedChat([("Write one better search query", '{"query": "Abbey Road album"}'),
                          ("next Thought and Action", "Thought: look it up\nAction: search[Abbey Road album]"),

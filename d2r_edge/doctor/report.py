@@ -31,11 +31,10 @@ def markdown(summary: dict) -> str:
                      f"{m['completion_tokens_mean']:.0f} | "
                      f"{m['kept_steps_mean']:.1f} |")
     lines += ["", "Repair rate: share of failed trajectories (EM 0) whose repaired single answer has EM 1 (strict).",
-              "", "## Repair rate by error type and by diagnosis correctness (paper Table 5)", "",
-              "| method | " + " | ".join(sorted({t for m in summary["methods"].values() for t in m["by_type"]}))
-              + " | checkable, correct | checkable, wrong | not checkable |"]
+              "", "## Repair rate by error type and by diagnosis correctness (paper Table 5)", ""]
     types = sorted({t for m in summary["methods"].values() for t in m["by_type"]})
-    lines.append("|---" * (len(types) + 4) + "|")
+    lines += ["| method | " + " | ".join(types) + " | checkable, correct | checkable, wrong | not checkable |",
+              "|---" * (len(types) + 4) + "|"]
     for name, m in summary["methods"].items():
         cells = [f"{_pct(m['by_type'][t]['repair_rate'])} (n={m['by_type'][t]['n']})" if t in m["by_type"] else "-"
                  for t in types]
