@@ -19,7 +19,7 @@ from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
 from d2r_edge.onnx.manifest import Role, Variant, load_manifest
 from d2r_edge.pipeline import Pipeline
 from d2r_edge.policy import Explorer, LinUCB, ThompsonSampling
-from d2r_edge.repair import ARM_NAMES, IS_RETRIEVAL
+from d2r_edge.repair import ARM_NAMES, IS_RETRIEVAL, PipelineConfig
 from d2r_edge.retrieval.docs import read_documents
 from d2r_edge.retrieval.kb import KnowledgeBase, PoolRefresh
 from d2r_edge.retrieval.retriever import Retriever
@@ -50,6 +50,7 @@ class RunSettings:
     refresh_pool: Path | None = None
     seed: int = 0
     qa_hypothesis: HypothesisForm = HypothesisForm.STATEMENT
+    evidence_titles: bool = True           # passages as "title\ntext" (retrieval.retriever.evidence_text)
 
 
 def costs_path(policy_path: Path) -> Path:
@@ -124,7 +125,7 @@ def build_pipeline(s: RunSettings) -> Pipeline:
                     diagnoser=Diagnoser(nli, kg, s.qa_hypothesis), policy=policy, context=context, costs=costs,
                     meter=Meter(), budget=s.budget, reward_cfg=s.reward,
                     explorer=Explorer(IS_RETRIEVAL, s.exploration) if s.exploration.rate > 0 else None,
-                    refresh=refresh)
+                    refresh=refresh, default=PipelineConfig(evidence_titles=s.evidence_titles))
 
 
 def context_builder(embedder, s: RunSettings):

@@ -169,9 +169,10 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
                       allow_random_weights=args.allow_random_weights, generator=args.generator,
                       base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
                       timeout_s=args.timeout_s, alpha=args.alpha, budget=budget, seed=args.seed,
-                      qa_hypothesis=args.qa_hypothesis)
+                      qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages)
     s = EvalSettings(task=Task(args.task), train=tuple(map(Path, args.train)), test=tuple(map(Path, args.test)),
                      models=Path(args.models), out=out, train_limit=args.train_limit, test_limit=args.test_limit,
+                     test_offset=args.test_offset,
                      split=Split(args.split), methods=methods, extra_docs=tuple(map(Path, args.extra_docs)),
                      run=run, epochs=args.epochs, bootstrap_resamples=args.bootstrap,
                      generation_cache=Path(args.generation_cache) if args.generation_cache else None)
@@ -198,7 +199,7 @@ def _settings(args: argparse.Namespace):
         reward=RewardConfig(gates=not args.unconstrained, cost_weighting=not args.unweighted),
         exploration=ExplorationConfig(rate=args.explore, seed=args.seed),
         refresh_pool=Path(args.refresh_pool) if args.refresh_pool else None, seed=args.seed,
-        qa_hypothesis=args.qa_hypothesis)
+        qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -259,6 +260,9 @@ def _generator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-preset", choices=["paper", "stringent", "relaxed"], default=None)
     p.add_argument("--qa-hypothesis", default="statement", choices=["bare", "question_answer", "statement"],
                    help="QA: how a short answer becomes the NLI hypothesis of e_r (see README)")
+    p.add_argument("--bare-passages", action="store_true",
+                   help="give the generator and the NLI passage text without its title (default: "
+                        "'title\\ntext', the form the offline models are fine-tuned on)")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -327,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="report, records, KB and caches; rerun to resume")
     p.add_argument("--train-limit", type=int, default=None)
     p.add_argument("--test-limit", type=int, default=None)
+    p.add_argument("--test-offset", type=int, default=0,
+                   help="skip the first N test queries (a later, unused slice; their documents stay in the KB)")
     p.add_argument("--split", default="heldout", choices=["heldout", "fit", "all"],
                    help="which queries of the files: heldout = never seen by the offline models' "
                         "fine-tuning (default), fit = the side they trained on, all")

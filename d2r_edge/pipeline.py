@@ -17,7 +17,7 @@ from d2r_edge.policy.explore import Explorer
 from d2r_edge.policy.features import ContextBuilder
 from d2r_edge.policy.reward import reward
 from d2r_edge.repair import ARM_NAMES, ARMS, IS_RETRIEVAL, PipelineConfig, PromptStyle, allowed_arms
-from d2r_edge.retrieval.retriever import Passage, Retriever
+from d2r_edge.retrieval.retriever import Passage, Retriever, evidence_text
 from d2r_edge.signals import Entailment, FailureType, KGStatus
 from d2r_edge.tasks import Task
 
@@ -113,7 +113,7 @@ class Pipeline:
         t0 = time.perf_counter()
         passages = self.retriever.retrieve(query, cfg.retrieval, query_vec)
         t["retrieve_s"] = time.perf_counter() - t0
-        texts = [p.text for p in passages]
+        texts = [evidence_text(p, cfg.evidence_titles) for p in passages]
         t0 = time.perf_counter()
         gen = self.generator.generate(self.task, cfg.prompt, query, texts)
         t["generate_s"] = time.perf_counter() - t0

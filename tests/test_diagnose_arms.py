@@ -101,9 +101,9 @@ def test_empty_retrieval_is_insufficient_evidence():
 
 
 def test_arm_registry():
-    assert len(ARMS) == 11 and len({a.name for a in ARMS}) == 11
-    assert IS_RETRIEVAL.sum() == 8
-    combos = {(a.kind, a.top_k, a.refresh) for a in ARMS if a.is_retrieval}
+    assert len(ARMS) == 12 and len({a.name for a in ARMS}) == 12
+    assert IS_RETRIEVAL.sum() == 9
+    combos = {(a.kind, a.top_k, a.refresh) for a in ARMS if a.kind is not None}
     assert combos == set(itertools.product([RetrieverKind.DENSE, RetrieverKind.BM25], [10, 20], [False, True]))
     base = PipelineConfig()
     assert base.retrieval.kind is RetrieverKind.DENSE and base.retrieval.top_k == 5
@@ -114,11 +114,14 @@ def test_arm_registry():
     assert by["rerank"].apply(base).retrieval.rerank and by["rerank"].apply(base).retrieval.rerank_top_n == 3
     assert by["prompt_simplify"].apply(base).prompt is PromptStyle.SIMPLIFY
     assert by["prompt_paraphrase"].apply(base).retrieval == base.retrieval
+    hop = by["second_hop"].apply(base)         # ours: a retrieval change as data, nothing else moves
+    assert hop.retrieval == base.retrieval.with_(second_hop=2) and hop.prompt is base.prompt
+    assert by["second_hop"].is_retrieval and base.evidence_titles and hop.evidence_titles
     assert base == PipelineConfig()            # applying never mutates the default
 
 
 def test_unverified_rule():
-    assert allowed_arms(True).tolist() == [True] * 8 + [False] * 3
+    assert allowed_arms(True).tolist() == [True] * 8 + [False] * 3 + [True]
     assert allowed_arms(False).all()
     assert allowed_arms(True, restrict_unverified=False).all()   # QA (reference HotpotQA scripts)
 

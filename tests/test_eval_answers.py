@@ -245,3 +245,33 @@ def test_replayed_generations_keep_the_generators_cost(tmp_path):
     from d2r_edge.repair import PromptStyle
 
     assert reread.generate(Task.QA, PromptStyle.SIMPLE, "q", []).replayed_s >= 0.2
+
+
+def test_test_offset_takes_a_later_disjoint_slice(tmp_path):
+    from d2r_edge.app import RunSettings
+    from d2r_edge.eval.answers import EvalSettings, load_splits
+    from d2r_edge.eval.split import Split
+    from d2r_edge.tasks import Task
+
+    f = tmp_path / "claims.jsonl"
+    with open(f, "w") as fh:
+        for i in range(12):
+            fh.write(json.dumps({"id": str(i), "claim": f"Claim number {i}.", "label": "SUPPORTS",
+                                 "derived_evidence_sentences": [[f"Page_{i}", 0, f"Claim number {i}."]]}) + "\n")
+
+    def ids(offset, limit):
+        s = EvalSettings(task=Task.FEVER, train=(f,), test=(f,), models=tmp_path, out=tmp_path / "o",
+                         train_limit=3, test_limit=limit, test_offset=offset, split=Split.ALL,
+                         run=RunSettings(kb=tmp_path, models=tmp_path, task=Task.FEVER))
+        train, test = load_splits(s)
+        return [q.id for qs in train for q in qs.queries], [q.id for qs in test for q in qs.queries], test
+
+    train, first, _ = ids(0, 4)
+    assert train == ["0", "1", "2"] and first == ["3", "4", "5", "6"]
+    _, later, sets = ids(4, 4)
+    assert later == ["7", "8", "9", "10"]
+    docs = {d.id for qs in sets for d in qs.documents}
+    assert {f"Page_{i}#0" for i in range(3, 11)} <= docs      # the skipped claims' evidence stays in the KB
+    assert ids(4, None)[1] == ["7", "8", "9", "10", "11"]
+    with pytest.raises(InputError, match="--test-offset"):
+        ids(-1, 4)

@@ -216,3 +216,38 @@ def test_kill_during_train_then_rerun(world, tiny_models, tmp_path):
     from d2r_edge.policy import LinUCB
 
     assert int(LinUCB.load(policy).counts.sum()) == sum(1 for r in records if r.get("repair"))
+
+
+def test_generator_and_nli_read_titled_passages_unless_told_otherwise(world, tiny_models):
+    """The offline NLI is fine-tuned on "title\\ntext" premises; serving bare text was a mismatch."""
+    from d2r_edge.generate.base import Generation
+
+    class Recording(HashNLI):
+        def __init__(self, real):
+            super().__init__(real)
+            self.premises = []
+
+        def score(self, pairs):
+            self.premises += [p for p, _ in pairs]
+            return super().score(pairs)
+
+    class EchoGenerator:
+        prompt_sensitive = True
+
+        def __init__(self):
+            self.seen = []
+
+        def generate(self, task, style, query, passages):
+            self.seen.append(list(passages))
+            return Generation(passages[0] if passages else "", None, "echo")
+
+    claim = json.loads(open(world[2]).readline())["claim"]
+    for titles in (True, False):
+        p = _pipeline(world, tiny_models, evidence_titles=titles)
+        nli, gen = Recording(p.diagnoser.nli), EchoGenerator()
+        p.diagnoser.nli, p.generator = nli, gen
+        a = p.attempt(claim, p.default)
+        want = [f"{x.title}\n{x.text}" if titles else x.text for x in a.passages]
+        assert all(x.title for x in a.passages)          # FEVER pages always have one
+        assert gen.seen == [want]
+        assert nli.premises == want + want               # e_q pairs, then e_r pairs

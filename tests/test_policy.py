@@ -152,6 +152,8 @@ def test_bad_policy_files(tmp_path):
         LinUCB.load(path, dim=5)
     with pytest.raises(PolicyFileError, match="arms"):
         LinUCB.load(path, arm_names=["a", "b", "d"])
+    with pytest.raises(PolicyFileError, match=r"trained for 3 arms, this d2r-edge has 4 \(new: e\).*retrain"):
+        LinUCB.load(path, arm_names=["a", "b", "c", "e"])    # a policy file from before an arm was added
     with pytest.raises(PolicyFileError, match="thompson"):
         ThompsonSampling.load(path)
     data = path.read_bytes()

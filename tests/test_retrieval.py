@@ -205,3 +205,34 @@ def test_pool_refresh_is_seeded_and_consumes_the_pool():
     always = PoolRefresh(pool, probability=1.0)
     assert [d.id for d in always.draw()][:2] == ["p0", "p1"] and always.draw()[0].id == "p100"
     assert PoolRefresh(pool, probability=0.0).draw() == []
+
+
+def test_second_hop_adds_the_passages_the_top_passage_names(tmp_path, embedder):
+    docs = [
+        Document("h", "The Quiet Harbor", "The Quiet Harbor is a 1994 film directed by Mara Ellison and shot "
+                                          "in Port Vell, with music by Mara Ellison."),
+        Document("m", "Mara Ellison", "Mara Ellison is a film director born in Cork in 1958."),
+        Document("pv", "Port Vell", "Port Vell is the old harbour of a coastal city."),
+        Document("p", "Port", "A port is a place where ships load and unload."),
+        Document("x", "Granite", "Granite is a coarse-grained igneous rock."),
+    ]
+    kb = _kb(tmp_path, embedder, docs)
+    r = Retriever(kb, embedder)
+    q = "Quiet Harbor 1994 film"
+    top = r.retrieve(q, RetrievalConfig(kind="bm25", top_k=1))
+    assert [p.doc_id for p in top] == ["h"]
+    two = r.retrieve(q, RetrievalConfig(kind="bm25", top_k=1, second_hop=2))
+    # in order of mention, once each, the longest title ("Port Vell", not "Port"), never the top passage's own
+    assert [p.doc_id for p in two] == ["h", "m", "pv"] and two[1].title == "Mara Ellison"
+    assert [p.doc_id for p in r.retrieve(q, RetrievalConfig(kind="bm25", top_k=1, second_hop=1))] == ["h", "m"]
+    # a named passage already retrieved is not added twice; the hop fills up with the next one
+    have = r.retrieve(q, RetrievalConfig(kind="bm25", top_k=2, second_hop=1))
+    assert len({p.doc_id for p in have}) == len(have) == 3 and have[0].doc_id == "h"
+    with pytest.raises(ConfigError, match="second_hop"):
+        RetrievalConfig(second_hop=-1)
+    # documents added by a refresh can be hopped to
+    write_docs([Document("c", "Cork", "Cork is a city in the south of Ireland.")], tmp_path / "new.jsonl")
+    kb.queue(tmp_path / "new.jsonl")
+    kb.refresh(embedder)
+    m = r.retrieve("Mara Ellison film director born", RetrievalConfig(kind="bm25", top_k=1, second_hop=1))
+    assert [p.doc_id for p in m] == ["m", "c"]

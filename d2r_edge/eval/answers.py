@@ -92,6 +92,7 @@ class EvalSettings:
     out: Path
     train_limit: int | None = None
     test_limit: int | None = None
+    test_offset: int = 0                   # skip the first N test queries (their documents stay in the KB)
     split: Split = Split.HELDOUT
     methods: tuple[Method, ...] = tuple(Method)
     extra_docs: tuple[Path, ...] = ()
@@ -107,6 +108,8 @@ class EvalSettings:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InputError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.test_offset, int) or self.test_offset < 0:
+            raise InputError(f"--test-offset must be an integer >= 0, got {self.test_offset!r}")
         if not isinstance(self.epochs, int) or self.epochs < 1:
             raise InputError(f"--epochs must be an integer >= 1, got {self.epochs!r}")
         if not isinstance(self.bootstrap_resamples, int) or self.bootstrap_resamples < 100:
@@ -136,7 +139,13 @@ def load_splits(s: EvalSettings) -> tuple[list[QuerySet], list[QuerySet]]:
     """Train and test query sets, disjoint: a file given for both skips the training ids in test."""
     train = _load(s.train, s.split, s.train_limit, frozenset(), s.task)
     train_ids = frozenset(q.id for qs in train for q in qs.queries)
-    test = _load(s.test, s.split, s.test_limit, train_ids, s.task)
+    limit = None if s.test_limit is None else s.test_limit + s.test_offset
+    test = _load(s.test, s.split, limit, train_ids, s.task)
+    skip = s.test_offset
+    for qs in test:     # a later slice of the same files: one never used to design anything
+        dropped = min(skip, len(qs.queries))
+        qs.queries, skip = qs.queries[dropped:], skip - dropped
+    test = [qs for qs in test if qs.queries] or test[:1]
     overlap = train_ids & {q.id for qs in test for q in qs.queries}
     if overlap:
         raise InputError(f"train and test share {len(overlap)} query id(s), e.g. {sorted(overlap)[0]!r}")
@@ -227,7 +236,8 @@ def fingerprint(s: EvalSettings) -> dict:
             "budget": [run.budget.latency_s, run.budget.device_mem_mib], "alpha": run.alpha, "seed": run.seed,
             "query_dim": run.query_dim, "epochs": s.epochs, "split": s.split.value,
             "train": [str(p) for p in s.train], "train_limit": s.train_limit,
-            "test": [str(p) for p in s.test], "extra_docs": [str(p) for p in s.extra_docs]}
+            "test": [str(p) for p in s.test], "test_offset": s.test_offset,
+            "evidence_titles": run.evidence_titles, "extra_docs": [str(p) for p in s.extra_docs]}
 
 
 def _check_out(s: EvalSettings) -> None:
@@ -314,6 +324,7 @@ def hypothesis_forms(ctx: Context) -> dict:
     training queries (never the test slice): entailed-if-right, entailed-if-wrong, balanced accuracy."""
     from d2r_edge.diagnose import aggregate_nli
     from d2r_edge.hypothesis import HypothesisForm, hypothesis
+    from d2r_edge.retrieval.retriever import evidence_text
 
     nli = ctx.pipeline.diagnoser.nli
     labels = [Entailment(n.lower()) for n in nli.labels]
@@ -326,7 +337,8 @@ def hypothesis_forms(ctx: Context) -> dict:
         right = ctx.score(q, answer)[0] == 1.0
         for form in HypothesisForm:
             hyp = hypothesis(form, q.text, answer)
-            probs = nli.score([(p.text, hyp) for p in first.passages])
+            probs = nli.score([(evidence_text(p, ctx.pipeline.default.evidence_titles), hyp)
+                               for p in first.passages])
             entailed = aggregate_nli([labels[int(i)] for i in probs.argmax(axis=1)]) is Entailment.ENTAILMENT
             c = counts[form]
             c[0 if right else 2] += entailed

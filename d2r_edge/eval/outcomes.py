@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 def config_key(cfg: PipelineConfig) -> str:
     r = cfg.retrieval
     return (f"{r.kind.value}|k{r.top_k}|rerank{int(r.rerank)}:{r.rerank_top_n}|{cfg.prompt.value}"
-            f"|refresh{int(cfg.refresh)}")
+            f"|refresh{int(cfg.refresh)}|titles{int(cfg.evidence_titles)}"
+            + (f"|hop{r.second_hop}" if r.second_hop else ""))
 
 
 def _label(value) -> Label | None:

@@ -105,7 +105,13 @@ def load_npz(path: Path | str, kind: str, *, expect_dim: int | None = None,
             f"use the context settings it was trained with or retrain"
         )
     if expect_arms is not None and [str(a) for a in data["arm_names"]] != list(expect_arms):
-        raise PolicyFileError(
-            f"{path}: policy arms {[str(a) for a in data['arm_names']]} differ from {list(expect_arms)}; retrain"
-        )
+        have, want = [str(a) for a in data["arm_names"]], list(expect_arms)
+        if len(have) != len(want):
+            added = [a for a in want if a not in have]
+            raise PolicyFileError(
+                f"{path} was trained for {len(have)} arms, this d2r-edge has {len(want)}"
+                + (f" (new: {', '.join(added)})" if added else "")
+                + "; its rows cannot be matched to arms: retrain it with `d2r-edge train`"
+            )
+        raise PolicyFileError(f"{path}: policy arms {have} differ from {want}; retrain it with `d2r-edge train`")
     return data
