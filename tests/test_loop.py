@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+from stand_ins import hash_nli_scores
 
 from d2r_edge.app import RunSettings, build_pipeline, train
 from d2r_edge.eval.datasets import fever_evidence, paragraphs, write_docs
 from d2r_edge.retrieval.kb import KnowledgeBase
-from d2r_edge.runner import RecordLog, load_queries, process, summary
+from d2r_edge.runner import load_queries, process, summary
 from d2r_edge.tasks import Task
-from stand_ins import hash_nli_scores
 
 ROOT = Path(__file__).resolve().parent.parent
 
