@@ -97,7 +97,7 @@ def test_first_attempts_are_shared_and_nothing_is_computed_twice(evaluated):
     rows = [json.loads(line) for line in (out / "attempts.jsonl").read_text().splitlines()]
     keys = [(r["query"], r["config"], r["cost"] is None) for r in rows]
     assert len(keys) == len(set(keys))
-    firsts = [r for r in rows if r["config"] == "dense|k5|rerank0:3|simple|refresh0" and r["cost"] is None]
+    firsts = [r for r in rows if r["config"] == "dense|k5|rerank0:3|simple|refresh0|titles1" and r["cost"] is None]
     assert len(firsts) == 42                                      # 12 train + 30 test, once each
     gens = [json.loads(line)["key"] for line in (out / "generations.jsonl").read_text().splitlines()]
     assert len(gens) == len(set(gens))

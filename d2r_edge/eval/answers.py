@@ -237,7 +237,7 @@ def fingerprint(s: EvalSettings) -> dict:
             "query_dim": run.query_dim, "epochs": s.epochs, "split": s.split.value,
             "train": [str(p) for p in s.train], "train_limit": s.train_limit,
             "test": [str(p) for p in s.test], "test_offset": s.test_offset,
-            "evidence_titles": run.evidence_titles, "extra_docs": [str(p) for p in s.extra_docs]}
+            "evidence_titles": run.evidence_titles, "arms": list(ARM_NAMES), "extra_docs": [str(p) for p in s.extra_docs]}
 
 
 def _check_out(s: EvalSettings) -> None:
