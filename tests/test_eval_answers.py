@@ -75,6 +75,10 @@ def test_summary_has_every_method_and_the_paper_columns(evaluated):
     assert s["methods"]["linucb"]["repaired_share"] > 0          # the stand-in NLI makes failures
     report = (out / "report.md").read_text()
     assert "## Table 1" in report and "## What this says" in report and "linucb_relaxed" in report
+    # every arm of the registry, ours included, gets its row for the failures it may repair
+    from d2r_edge.repair import ARM_NAMES
+    tried = {arm for cells in s["arms_by_failure"].values() for arm in cells}
+    assert "second_hop" in tried and "| second_hop |" in report and tried <= set(ARM_NAMES)
     assert (out / "fig_budget.png").is_file() or "figures" not in s
 
 
