@@ -279,3 +279,5 @@ def test_test_offset_takes_a_later_disjoint_slice(tmp_path):
     assert ids(4, None)[1] == ["7", "8", "9", "10", "11"]
     with pytest.raises(InputError, match="--test-offset"):
         ids(-1, 4)
+    with pytest.raises(InputError, match="--test-offset 9 leaves no test query"):
+        ids(9, 4)

@@ -141,11 +141,13 @@ def load_splits(s: EvalSettings) -> tuple[list[QuerySet], list[QuerySet]]:
     train_ids = frozenset(q.id for qs in train for q in qs.queries)
     limit = None if s.test_limit is None else s.test_limit + s.test_offset
     test = _load(s.test, s.split, limit, train_ids, s.task)
-    skip = s.test_offset
-    for qs in test:     # a later slice of the same files: one never used to design anything
+    skip, available = s.test_offset, sum(len(qs.queries) for qs in test)
+    for qs in test:     # a later slice of the same files; a set left empty keeps its documents for the KB
         dropped = min(skip, len(qs.queries))
         qs.queries, skip = qs.queries[dropped:], skip - dropped
-    test = [qs for qs in test if qs.queries] or test[:1]
+    if not any(qs.queries for qs in test):
+        raise InputError(f"--test-offset {s.test_offset} leaves no test query ({available} after the training "
+                         f"slice); give a smaller offset")
     overlap = train_ids & {q.id for qs in test for q in qs.queries}
     if overlap:
         raise InputError(f"train and test share {len(overlap)} query id(s), e.g. {sorted(overlap)[0]!r}")
@@ -237,7 +239,8 @@ def fingerprint(s: EvalSettings) -> dict:
             "query_dim": run.query_dim, "epochs": s.epochs, "split": s.split.value,
             "train": [str(p) for p in s.train], "train_limit": s.train_limit,
             "test": [str(p) for p in s.test], "test_offset": s.test_offset,
-            "evidence_titles": run.evidence_titles, "arms": list(ARM_NAMES), "extra_docs": [str(p) for p in s.extra_docs]}
+            "evidence_titles": run.evidence_titles, "arms": list(ARM_NAMES),
+            "extra_docs": [str(p) for p in s.extra_docs]}
 
 
 def _check_out(s: EvalSettings) -> None:
