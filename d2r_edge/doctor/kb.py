@@ -9,7 +9,7 @@ from d2r_edge.doctor.evaluate import observation_docs
 from d2r_edge.doctor.parse import TrajectoryFormat, parse_file
 from d2r_edge.eval.querysets import load_queryset
 from d2r_edge.retrieval.docs import Document
-from d2r_edge.retrieval.retriever import RetrievalConfig, Retriever
+from d2r_edge.retrieval.retriever import RetrievalConfig, Retriever, evidence_text
 
 
 def build_doctor_kb(trajectories: list[Path], extra: list[Path], out: Path, embedder,
@@ -34,6 +34,6 @@ def kb_search(kb, embedder, reranker=None, candidates: int = 10) -> Callable[[st
     def search(query: str, k: int) -> list[str]:
         cfg = RetrievalConfig(top_k=max(k, candidates) if reranker else k, rerank=reranker is not None,
                               rerank_top_n=k)
-        return [f"{p.title}\n{p.text}" if p.title else p.text for p in retriever.retrieve(query, cfg)]
+        return [evidence_text(p) for p in retriever.retrieve(query, cfg)]
 
     return search

@@ -85,9 +85,10 @@ class TitleIndex:
                 self.by_title.setdefault(title, int(c["chunk_id"]))
         self.indexed = len(self.kb.chunks)
 
-    def named_in(self, text: str, exclude: set[str], limit: int) -> list[int]:
-        """Chunks of the documents whose exact title occurs in `text`, in order of mention;
-        at each position the longest title wins ("New York City" over "New York")."""
+    def named_in(self, text: str, exclude: set[str], limit: int, have: set[int] = frozenset()) -> list[int]:
+        """Up to `limit` chunks of the documents whose exact title occurs in `text`, in order of
+        mention, leaving out titles in `exclude` and chunks in `have`; at each position the
+        longest title wins ("New York City" over "New York")."""
         self._sync()
         words = [w.strip(".,;:!?\"'()[]") for w in _WORDS.findall(text)]
         out: list[int] = []
@@ -98,7 +99,7 @@ class TitleIndex:
                 title = " ".join(words[i:i + n])
                 cid = self.by_title.get(title)
                 if cid is not None:
-                    if title not in exclude and cid not in out:
+                    if title not in exclude and cid not in have and cid not in out:
                         out.append(cid)
                     step = n
                     break
@@ -135,9 +136,8 @@ class Retriever:
             order = np.argsort(-rr, kind="stable")[:cfg.rerank_top_n]
             chunks, scores = [chunks[i] for i in order], rr[order]
         if cfg.second_hop and chunks:
-            have = {int(c["chunk_id"]) for c in chunks}
-            hops = [i for i in self.titles.named_in(chunks[0]["text"], {chunks[0]["title"]}, cfg.second_hop + len(have))
-                    if i not in have][:cfg.second_hop]
+            hops = self.titles.named_in(chunks[0]["text"], {chunks[0]["title"]}, cfg.second_hop,
+                                        have={int(c["chunk_id"]) for c in chunks})
             chunks = chunks + [self.kb.chunks[i] for i in hops]
             scores = np.concatenate([np.asarray(scores, dtype=float), np.zeros(len(hops))])
         return [Passage(int(c["chunk_id"]), c["doc_id"], c["title"], c["text"], float(s))
