@@ -9,13 +9,10 @@ deterministic hash stand-in so failures, and so repairs, occur.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-from benchmarks.conftest import EXTRA, RESULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"

@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.conftest import EXTRA, RESULTS, ratio_or_skip
-from d2r_edge.budget import MemoryProbe, Meter
+from benchmarks.conftest import RESULTS, ratio_or_skip
 from d2r_edge.onnx.encoders import NLI
 from d2r_edge.onnx.manifest import Variant, load_manifest
 from d2r_edge.onnx.seq2seq import Seq2SeqModel

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.conftest import EXTRA, RESULTS, ratio_or_skip
+from benchmarks.conftest import EXTRA, ratio_or_skip
 from d2r_edge.onnx.encoders import Embedder
 from d2r_edge.onnx.manifest import load_manifest
 from d2r_edge.retrieval.bm25 import BM25Index, tokenize

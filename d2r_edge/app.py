@@ -17,6 +17,7 @@ from d2r_edge.kg.check import KGChecker
 from d2r_edge.kg.store import KG_DIR, TripleStore
 from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
 from d2r_edge.onnx.manifest import Role, Variant, load_manifest
+from d2r_edge.onnx.session import SessionConfig
 from d2r_edge.pipeline import Pipeline
 from d2r_edge.policy import Explorer, LinUCB, ThompsonSampling
 from d2r_edge.repair import ARM_NAMES, IS_RETRIEVAL, PipelineConfig
@@ -51,6 +52,7 @@ class RunSettings:
     seed: int = 0
     qa_hypothesis: HypothesisForm = HypothesisForm.STATEMENT
     evidence_titles: bool = True           # passages as "title\ntext" (retrieval.retriever.evidence_text)
+    intra_op_threads: int = 0              # ONNX Runtime threads per session; 0 = one per usable core
 
 
 def costs_path(policy_path: Path) -> Path:
@@ -83,17 +85,18 @@ def policy_updates(policy) -> int:
 
 def build_pipeline(s: RunSettings) -> Pipeline:
     manifest = load_manifest(s.models)
-    allow = s.allow_random_weights
-    embedder = Embedder(manifest, variant=s.variant, allow_random_weights=allow)
-    nli = NLI(manifest, variant=s.variant, allow_random_weights=allow)
-    reranker = (CrossEncoder(manifest, variant=s.variant, allow_random_weights=allow)
+    allow, session = s.allow_random_weights, SessionConfig(intra_op_threads=s.intra_op_threads)
+    embedder = Embedder(manifest, variant=s.variant, session=session, allow_random_weights=allow)
+    nli = NLI(manifest, variant=s.variant, session=session, allow_random_weights=allow)
+    reranker = (CrossEncoder(manifest, variant=s.variant, session=session, allow_random_weights=allow)
                 if manifest.has(Role.RERANKER) else None)
     kb = KnowledgeBase.open(s.kb, embedder)
     extractor, store = None, TripleStore.from_triples([], embedder)
     if manifest.has(Role.TRIPLES):
         from d2r_edge.onnx.seq2seq import Seq2SeqModel, Triples
 
-        extractor = Triples(Seq2SeqModel(manifest, variant=s.variant, allow_random_weights=allow))
+        extractor = Triples(Seq2SeqModel(manifest, variant=s.variant, session=session,
+                                         allow_random_weights=allow))
         if (kb.directory / KG_DIR / "triples.jsonl").is_file():
             store = TripleStore.load(kb.directory / KG_DIR)
         else:

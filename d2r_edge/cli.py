@@ -116,7 +116,13 @@ def cmd_index(args: argparse.Namespace) -> int:
     if args.action == "build":
         if not args.docs:
             raise InputError("index build needs --docs FILE.jsonl")
-        kb = KnowledgeBase.build(args.docs, args.kb, _embedder(args))
+        embedder, embed_shards = _embedder(args), None
+        if args.engine == "ray":
+            from d2r_edge.engine.ray_index import ray_shard_embedding
+
+            embed_shards = ray_shard_embedding(embedder, Path(args.models), args.variant,
+                                               args.allow_random_weights, _ray_config(args))
+        kb = KnowledgeBase.build(args.docs, args.kb, embedder, embed_shards=embed_shards)
     elif args.action == "add":
         if not args.docs:
             raise InputError("index add needs --docs FILE.jsonl")
@@ -175,7 +181,8 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
                      test_offset=args.test_offset,
                      split=Split(args.split), methods=methods, extra_docs=tuple(map(Path, args.extra_docs)),
                      run=run, epochs=args.epochs, bootstrap_resamples=args.bootstrap,
-                     generation_cache=Path(args.generation_cache) if args.generation_cache else None)
+                     generation_cache=Path(args.generation_cache) if args.generation_cache else None,
+                     ray=_ray_config(args) if args.engine == "ray" else None)
     evaluate(s)
     print((out / "report.md").read_text(encoding="utf-8"))
     print(f"report: {out / 'report.md'}; machine-readable: {out / 'summary.json'}")
@@ -209,8 +216,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     queries = load_queries(Path(args.queries))
     if args.limit:
         queries = queries[: args.limit]
-    pipeline = build_pipeline(_settings(args))
-    rlog = process(pipeline, queries, Path(args.out), learn=False)
+    settings = _settings(args)
+    if args.engine == "ray":
+        from d2r_edge.engine.ray_run import run_queries
+
+        rlog = run_queries(settings, queries, Path(args.out), _ray_config(args))
+    else:
+        rlog = process(build_pipeline(settings), queries, Path(args.out), learn=False)
     print(summary(rlog.records))
     return 0
 
@@ -221,6 +233,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if not args.policy:
         raise InputError("train needs --policy FILE.npz (where the policy is saved)")
+    if args.engine == "ray":
+        raise InputError("train learns online (Alg. 2): each update depends on the ones before it, so it runs "
+                         "in one process; drop --engine ray (then `d2r-edge run --engine ray --policy` "
+                         "answers with the trained policy on the pool)")
     queries = load_queries(Path(args.queries))
     if args.limit:
         queries = queries[: args.limit]
@@ -247,6 +263,25 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refresh-pool", default=None, help="JSONL pool for the paper's simulated refresh arm")
     p.add_argument("--seed", type=int, default=0)
     _model_args(p)
+    _engine_args(p)
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="local", choices=["local", "ray"],
+                   help="ray: a pool of Ray actors (the [ray] extra), locally or on --ray-address")
+    p.add_argument("--ray-address", default=None,
+                   help="join a running cluster: auto or HOST:PORT (default: start Ray in this process)")
+    p.add_argument("--workers", type=int, default=2, help="Ray actors, each loading the models once")
+    p.add_argument("--cpus-per-worker", type=int, default=1,
+                   help="Ray CPUs per actor, also its ONNX Runtime threads")
+    p.add_argument("--batch-queries", type=int, default=4, help="queries per Ray task")
+
+
+def _ray_config(args: argparse.Namespace):
+    from d2r_edge.engine import RayConfig
+
+    return RayConfig(address=args.ray_address, workers=args.workers, cpus_per_worker=args.cpus_per_worker,
+                     batch_queries=args.batch_queries)
 
 
 def _generator_args(p: argparse.ArgumentParser) -> None:
@@ -310,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kb", required=True, help="knowledge-base directory")
     p.add_argument("--docs", help="JSONL documents: id, title, text (+ metadata)")
     _model_args(p)
+    _engine_args(p)
     p.set_defaults(func=cmd_index)
 
     p = sub.add_parser("eval", help="evaluations: retrieval recall, answers with and without repair")
@@ -350,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=2.0, help="LinUCB exploration (paper: 2)")
     p.add_argument("--seed", type=int, default=0)
     _model_args(p)
+    _engine_args(p)
     p.set_defaults(func=cmd_eval_answers)
 
     from d2r_edge.doctor.cli import add_doctor_parser

@@ -106,3 +106,9 @@ class PolicyError(D2RError):
 
 class PolicyFileError(PolicyError):
     """A saved policy file is truncated, of another version, dim or arm set."""
+
+
+class EngineError(D2RError):
+    """The distributed engine (Ray) cannot start, reach its cluster, or keep its workers alive."""
+
+    exit_code = 12

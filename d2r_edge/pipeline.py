@@ -160,7 +160,9 @@ class Pipeline:
             decision = self.explorer.decide(self.policy, x, masked.allowed)
             arm, propensity, explored = decision.arm, decision.propensity, decision.explored
         else:
-            arm, propensity, explored = self.policy.select(x, masked.allowed), None, False
+            # keyed by the query when frozen: the choice does not depend on query order or worker
+            key = None if learn else query
+            arm, propensity, explored = self.policy.select(x, masked.allowed, key=key), None, False
         policy_s = time.perf_counter() - t0
         second, cost = self.metered_attempt(query, ARMS[arm].apply(self.default), q_vec)
         d2 = second.diagnosis

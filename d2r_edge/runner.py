@@ -63,6 +63,22 @@ def load_queries(path: Path) -> list[Query]:
     return out
 
 
+def read_records(path: Path) -> list[dict]:
+    """The complete records of a JSONL log without opening it for writing (a torn last line is left out)."""
+    out = []
+    if not Path(path).is_file():
+        return out
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return out
+
+
 class RecordLog:
     """Append-only JSONL with crash-safe resume."""
 
@@ -113,6 +129,26 @@ def correct(task: Task, q: dict, answer: str) -> bool | None:
     return exact_match(answer, [str(q["answer"])]) == 1.0
 
 
+def answer_query(pipeline, q: Query, learn: bool, epoch: int | None = None) -> dict:
+    """One query's record; a per-query failure (generator down, ...) is recorded, not raised."""
+    rec = {"id": q.id, "epoch": epoch, "query": q.text, "gold_label": q.label,
+           "gold_answer": q.answer, "task": pipeline.task.value}
+    try:
+        rec.update(pipeline.run(q.text, learn))
+        gold = {"label": q.label, "answer": q.answer}
+        rec["first_correct"] = correct(pipeline.task, gold, rec["first_answer"])
+        rec["final_correct"] = correct(pipeline.task, gold, rec["final_answer"])
+        rec["error"] = None
+    except Exception as exc:  # one query's failure must not end the run
+        from d2r_edge.errors import D2RError
+
+        if not isinstance(exc, (D2RError, OSError, ValueError)):
+            raise
+        log.warning("query %s failed: %s", q.id, exc)
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
 def process(pipeline, queries: list[Query], out: Path, learn: bool, epoch: int | None = None,
             on_update=None) -> RecordLog:
     """Run queries not yet in `out`; errors are recorded per query and the run goes on."""
@@ -123,21 +159,7 @@ def process(pipeline, queries: list[Query], out: Path, learn: bool, epoch: int |
     todo = [q for q in queries if (epoch, q.id) not in done]
     try:
         for q in tqdm(todo, desc="queries" if epoch is None else f"epoch {epoch}", disable=None):
-            rec = {"id": q.id, "epoch": epoch, "query": q.text, "gold_label": q.label,
-                   "gold_answer": q.answer, "task": pipeline.task.value}
-            try:
-                rec.update(pipeline.run(q.text, learn))
-                gold = {"label": q.label, "answer": q.answer}
-                rec["first_correct"] = correct(pipeline.task, gold, rec["first_answer"])
-                rec["final_correct"] = correct(pipeline.task, gold, rec["final_answer"])
-                rec["error"] = None
-            except Exception as exc:  # one query's failure (generator down, ...) must not end the run
-                from d2r_edge.errors import D2RError
-
-                if not isinstance(exc, (D2RError, OSError, ValueError)):
-                    raise
-                log.warning("query %s failed: %s", q.id, exc)
-                rec["error"] = f"{type(exc).__name__}: {exc}"
+            rec = answer_query(pipeline, q, learn, epoch)
             rlog.append(rec)
             if on_update is not None and rec.get("repair") and learn:
                 on_update(rec)
@@ -147,7 +169,11 @@ def process(pipeline, queries: list[Query], out: Path, learn: bool, epoch: int |
 
 
 def summary(records: list[dict]) -> str:
-    """Failure-type counts, arm counts, accuracy/EM, latency percentiles, budget violations."""
+    """Failure-type counts, arm counts, accuracy/EM, latency percentiles, budget violations.
+
+    Records are taken in id order: a `--engine ray` run writes them as batches finish.
+    """
+    records = sorted(records, key=lambda r: (str(r["id"]), r.get("epoch") or 0))
     ok = [r for r in records if not r.get("error")]
     lines = [f"queries: {len(records)} ({len(records) - len(ok)} with errors)"]
     fails = Counter(r["failure"] for r in ok)

@@ -21,7 +21,12 @@ from pathlib import Path
 
 from d2r_edge.errors import ConfigError, UnknownProfileError
 from d2r_edge.onnx.manifest import (
-    MANIFEST_FORMAT_VERSION, MANIFEST_NAME, Role, Variant, load_manifest, sha256_file,
+    MANIFEST_FORMAT_VERSION,
+    MANIFEST_NAME,
+    Role,
+    Variant,
+    load_manifest,
+    sha256_file,
 )
 from export import convert, parity
 from export.parity_data import load_parity_set

@@ -113,7 +113,8 @@ def validate_reranker(manifest: Manifest, sets: PairSets) -> dict:
     gold = [q["gold"] for q in qs]
     top3 = [float(np.mean(set(np.argsort(-a)[:3]) == set(np.argsort(-b)[:3])))
             for a, b in zip(cross[Variant.INT8], cross[Variant.FP32])]
-    return {"heldout_hotpotqa_questions": len(qs), "paragraphs_per_question": sorted({len(q["paragraphs"]) for q in qs}),
+    return {"heldout_hotpotqa_questions": len(qs),
+            "paragraphs_per_question": sorted({len(q["paragraphs"]) for q in qs}),
             "cross_encoder_int8": _rank_metrics(cross[Variant.INT8], gold),
             "cross_encoder_fp32": _rank_metrics(cross[Variant.FP32], gold),
             "int8_fp32_same_top3": float(np.mean(top3)) if top3 else None,

@@ -312,3 +312,25 @@ def test_llm_diagnoser_json_is_repaired_and_bad_replies_fall_back(tmp_path):
     agree = summary["llm_vs_nli"]
     assert agree["llm_reply_usable"] == 2 and agree["type_agreement"] == 1.0
     assert agree["type_and_culprit_agreement"] == 0.5
+
+
+def test_summary_scores_the_checkable_labels_as_recall_specificity_and_balanced_accuracy():
+    from d2r_edge.doctor.commands import summarize
+
+    def rec(kind, rule, sufficient=False, gold_in=None):
+        return {"type": kind, "culprit": None, "sufficient": sufficient,
+                "checks": {"format_rule": rule, "gold_in_evidence": gold_in}}
+
+    records = ([rec("format", True)] * 4 + [rec("retriever", True)]           # recall 4/5
+               + [rec("reasoning", False, True, True)] * 2                    # sufficient, gold in: TP
+               + [rec("retriever", False, True, False)]                       # sufficient, gold absent: FP
+               + [rec("retriever", False, False, False)] * 3                  # TN
+               + [rec("format", False)])                                      # a Format call the rule lacks
+    s = summarize(records, n_parsed=20, n_issues=0, fmt="jsonl")
+    assert s["format_recall"] == 0.8 and s["format_rule_positive"] == 5
+    assert s["format_specificity"] == 6 / 7
+    assert s["sufficiency_recall"] == 1.0 and s["sufficiency_specificity"] == 3 / 4
+    assert s["sufficiency_balanced_accuracy"] == (1.0 + 0.75) / 2 and s["sufficiency_checked"] == 6
+    # an always-insufficient diagnoser gets 0.5, however few failures have the evidence
+    lazy = summarize([rec("retriever", False, False, g) for g in [True] + [False] * 9], 10, 0, "jsonl")
+    assert lazy["sufficiency_balanced_accuracy"] == 0.5 and lazy["sufficiency_agrees_with_gold_in_evidence"] == 0.9

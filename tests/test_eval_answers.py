@@ -281,3 +281,24 @@ def test_test_offset_takes_a_later_disjoint_slice(tmp_path):
         ids(-1, 4)
     with pytest.raises(InputError, match="--test-offset 9 leaves no test query"):
         ids(9, 4)
+
+
+def test_eval_on_ray_gives_the_local_records(tiny_models, fever_file, tmp_path):
+    """The attempts computed by 2 Ray workers make every method decide as in a local evaluation
+    (the real tiny models: a stand-in NLI patched here would not reach the workers)."""
+    ray = pytest.importorskip("ray")
+    keep = ("id", "first_answer", "final_answer", "first_failure", "final_failure", "arm", "first_passages")
+    extra = ("--methods", "naive,linucb,thompson,oracle", "--train-limit", "6", "--test-limit", "12")
+    try:
+        assert main(_args(fever_file, tiny_models, tmp_path / "local", *extra)) == 0
+        assert main(_args(fever_file, tiny_models, tmp_path / "ray", *extra, "--engine", "ray",
+                          "--workers", "2", "--batch-queries", "3")) == 0
+    finally:
+        ray.shutdown()
+    for m in ("naive", "linucb", "thompson", "oracle"):
+        local, remote = ([{k: r.get(k) for k in keep} for r in _records(tmp_path / d, m)] for d in ("local", "ray"))
+        assert sorted(local, key=lambda r: r["id"]) == sorted(remote, key=lambda r: r["id"]), m
+    attempts = [(tmp_path / d / "attempts.jsonl").read_text().splitlines() for d in ("local", "ray")]
+    key = [sorted((json.loads(a)["query"], json.loads(a)["config"], json.loads(a)["cost"] is None) for a in x)
+           for x in attempts]
+    assert key[0] == key[1] and len(key[0]) > 12   # the same attempts, each stored once

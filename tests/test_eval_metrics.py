@@ -5,8 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from d2r_edge.eval.metrics import (exact_match, fever_label, flips, macro_f1, normalize_answer,
-                                   paired_bootstrap, token_f1)
+from d2r_edge.eval.metrics import (
+    exact_match,
+    fever_label,
+    flips,
+    macro_f1,
+    normalize_answer,
+    paired_bootstrap,
+    token_f1,
+)
 
 
 def test_squad_normalization():

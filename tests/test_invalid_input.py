@@ -13,8 +13,15 @@ import numpy as np
 import pytest
 
 from d2r_edge.errors import (
-    ConfigError, HubUnreachableError, InputError, IntegrityError, ManifestError,
-    ModelLoadError, ModelSourceError, RandomWeightsError, UnknownRoleError,
+    ConfigError,
+    HubUnreachableError,
+    InputError,
+    IntegrityError,
+    ManifestError,
+    ModelLoadError,
+    ModelSourceError,
+    RandomWeightsError,
+    UnknownRoleError,
 )
 from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
 from d2r_edge.onnx.manifest import Role, Variant, load_manifest
@@ -36,7 +43,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def _one_line_error(out: subprocess.CompletedProcess) -> str:
     assert out.returncode not in (0, 1), out.stderr
     assert "Traceback" not in out.stderr
-    lines = [l for l in out.stderr.splitlines() if l.startswith("d2r-edge: error:")]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("d2r-edge: error:")]
     assert len(lines) == 1, out.stderr
     return lines[0]
 

@@ -68,8 +68,16 @@ def test_pairs_carry_titles_and_reranker_groups_are_clean(shared_data):
 def test_synthetic_nli_pairs_flip_labels_and_stay_out_of_validation(shared_data):
     import numpy as np
 
-    from export.finetune_data import (CON, ENT, NEU, build_pairs, heldout_probe, is_validation, swap_number,
-                                      toggle_negation)
+    from export.finetune_data import (
+        CON,
+        ENT,
+        NEU,
+        build_pairs,
+        heldout_probe,
+        is_validation,
+        swap_number,
+        toggle_negation,
+    )
 
     assert toggle_negation("John Goodman is not an actor.") == "John Goodman is an actor."
     assert toggle_negation("Pythagoras wasn't a mathematician.") == "Pythagoras was a mathematician."

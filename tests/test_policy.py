@@ -246,3 +246,18 @@ def test_select_from_the_float32_mirror_is_the_float64_argmax(tmp_path):
     pol.save(tmp_path / "p.npz")
     loaded = LinUCB.load(tmp_path / "p.npz")
     assert np.array_equal(loaded._a_inv32, pol._a_inv32) and loaded.select(x) == pol.select(x)
+
+
+def test_thompson_keyed_draws_do_not_depend_on_query_order():
+    """A frozen policy answering query q draws from (seed, posterior, q): the same arm for q
+    whatever came before it, in this process or on another worker."""
+    ts = ThompsonSampling(6, seed=3)
+    for arm, r in [(0, 0.9), (1, 0.1), (2, 0.8), (3, 0.0), (4, 0.5), (5, 0.6)] * 2:
+        ts.update(arm, reward=r)
+    forward = [ts.select(key=f"query {i}") for i in range(40)]
+    ts.select(), ts.select()                        # the unkeyed stream moves on
+    backward = [ts.select(key=f"query {i}") for i in reversed(range(40))][::-1]
+    assert forward == backward and len(set(forward)) > 1
+    again = ThompsonSampling(6, seed=3)
+    assert [again.select(key=f"query {i}") for i in range(40)] != forward   # the posterior is in the seed
+    assert ts.select(allowed=[4], key="query 0") == 4

@@ -17,7 +17,7 @@ from pathlib import Path
 from d2r_edge.doctor.diagnose import DoctorSettings, TrajectoryDiagnoser, answer_in, is_success
 from d2r_edge.doctor.parse import TrajectoryFormat, parse_file
 from d2r_edge.doctor.trajectory import StepKind, Trajectory
-from d2r_edge.eval.metrics import normalize_answer, token_f1
+from d2r_edge.eval.metrics import normalize_answer
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +32,18 @@ class DiagnoseRequest:
 
 
 def simple_format_rule(t: Trajectory) -> bool:
-    """The checkable Format label: normalized containment either way, or token F1 >= 0.8 (QA);
-    the same label up to case and spacing (FEVER)."""
+    """The checkable Format label: prediction and a gold answer equal after SQuAD normalization,
+    or one contains the other (QA); the same label up to case and spacing (FEVER)."""
     if t.prediction is None:
         return False
     if t.task == "fever":
         return " ".join(t.prediction.upper().split()) == t.gold[0].upper()
     p = normalize_answer(t.prediction)
-    return bool(p) and (token_f1(t.prediction, t.gold) >= 0.8 or any(
-        (g := normalize_answer(x)) and (g in p or p in g) for x in t.gold))
+    return bool(p) and any((g := normalize_answer(x)) and (g in p or p in g) for x in t.gold)
+
+
+def _rate(hits: int, n: int) -> float | None:
+    return hits / n if n else None
 
 
 def simple_sufficiency_rule(t: Trajectory) -> bool | None:
@@ -67,17 +70,25 @@ def read_records(path: Path, key: str) -> dict:
 def summarize(records: list[dict], n_parsed: int, n_issues: int, fmt: str) -> dict:
     types = Counter(r["type"] for r in records)
     kinds = Counter((r["culprit"] or "none").split("]")[-1].strip() or "none" for r in records)
-    fmt_agree = [r["type"] == "format" and r["signals"]["format"]["format"] == r["checks"]["format_rule"]
-                 or r["type"] != "format" and not r["checks"]["format_rule"] for r in records]
+    # (an NLI record has type format exactly when its format signal says so; an LLM record has only the type)
+    fmt_agree = [(r["type"] == "format") == bool(r["checks"]["format_rule"]) for r in records]
     suff = [(r["sufficient"], r["checks"]["gold_in_evidence"]) for r in records
             if r["type"] != "format" and r["checks"]["gold_in_evidence"] is not None]
+    rule_yes = [r["type"] == "format" for r in records if r["checks"]["format_rule"]]
+    rule_no = [r["type"] != "format" for r in records if not r["checks"]["format_rule"]]
+    tpr = _rate(sum(a and b for a, b in suff), sum(b for _, b in suff))
+    tnr = _rate(sum(not a and not b for a, b in suff), sum(not b for _, b in suff))
     return {"format": fmt, "parsed": n_parsed, "skipped_malformed": n_issues, "failed": len(records),
             "types": dict(types), "culprit_kinds": dict(kinds),
-            "format_agrees_with_rule": (sum(fmt_agree) / len(fmt_agree)) if fmt_agree else None,
-            "sufficiency_agrees_with_gold_in_evidence": (sum(a == b for a, b in suff) / len(suff)) if suff else None,
-            "sufficiency_checked": len(suff),
-            "note": "format and sufficiency are checked against simple rules (containment / F1 >= 0.8; "
-                    "gold answer in the evidence); the culprit step has no gold label here"}
+            "format_agrees_with_rule": _rate(sum(fmt_agree), len(fmt_agree)),
+            "format_recall": _rate(sum(rule_yes), len(rule_yes)), "format_rule_positive": len(rule_yes),
+            "format_specificity": _rate(sum(rule_no), len(rule_no)),
+            "sufficiency_agrees_with_gold_in_evidence": _rate(sum(a == b for a, b in suff), len(suff)),
+            "sufficiency_balanced_accuracy": None if tpr is None or tnr is None else (tpr + tnr) / 2,
+            "sufficiency_recall": tpr, "sufficiency_specificity": tnr,
+            "sufficiency_checked": len(suff), "gold_in_evidence": sum(b for _, b in suff),
+            "note": "format and sufficiency are checked against simple rules (equal or containing after "
+                    "SQuAD normalization; gold answer in the evidence); the culprit step has no gold label here"}
 
 
 def run_diagnose(req: DiagnoseRequest, nli, llm=None) -> dict:
@@ -91,7 +102,9 @@ def run_diagnose(req: DiagnoseRequest, nli, llm=None) -> dict:
     with open(req.out, "w", encoding="utf-8") as fh:       # rewritten in input order; done lines reused
         for i, t in enumerate(failed):
             rec = done.get(t.line)
-            if rec is None:
+            if rec is not None:      # the rules are cheap: recomputed, so a reused record follows them
+                rec["checks"] = {"format_rule": simple_format_rule(t), "gold_in_evidence": simple_sufficiency_rule(t)}
+            else:
                 nli_d = diagnoser.diagnose(t)
                 if llm is not None:
                     rec = llm.diagnose(t, nli_d).record()

@@ -100,6 +100,7 @@ class EvalSettings:
     epochs: int = 2
     bootstrap_resamples: int = 10_000
     generation_cache: Path | None = None   # default OUT/generations.jsonl; share it between evaluations
+    ray: object = None                     # engine.RayConfig: first attempts and arms on a Ray actor pool
 
     def __post_init__(self) -> None:
         if not self.train or not self.test:
@@ -256,10 +257,31 @@ def _check_out(s: EvalSettings) -> None:
         path.write_text(json.dumps(want, indent=1) + "\n", encoding="utf-8")
 
 
+def shared_pipeline(run, out: Path, generation_cache: Path | None, read_only: bool = False):
+    """The pipeline every method runs through: memo retriever, cached generator, stored attempts,
+    no refresh source. `read_only`: a Ray worker's, which reads the driver's files and writes nothing."""
+    from d2r_edge.app import build_pipeline
+
+    p = build_pipeline(run)
+    p.retriever = _MemoRetriever(p.retriever.kb, p.retriever.embedder, p.retriever.reranker)
+    gen = CachedGenerator(p.generator, generation_cache or out / "generations.jsonl", read_only)
+    p.generator, p.refresh = gen, None
+    store = AttemptStore(out / "attempts.jsonl", p.retriever.kb.chunks, read_only)
+    p.memo = store
+    return p, store, gen
+
+
+def compute_outcomes(p, task: Task, text: str, every_arm: bool) -> None:
+    """The first attempt of a query and, if it fails and `every_arm`, every allowed arm (into p.memo)."""
+    first = p.metered_attempt(text, p.default, metered=False)[0]
+    if first.diagnosis.failure is FailureType.NO_FAILURE or not every_arm:
+        return
+    for arm in np.flatnonzero(allowed_arms(first.diagnosis.unverified, task.restrict_unverified)):
+        p.metered_attempt(text, ARMS[int(arm)].apply(p.default))
+
+
 def open_context(s: EvalSettings) -> Context:
     from tqdm import tqdm
-
-    from d2r_edge.app import build_pipeline
 
     train_sets, test_sets = load_splits(s)
     _check_out(s)
@@ -269,26 +291,24 @@ def open_context(s: EvalSettings) -> Context:
 
     embedder = Embedder(load_manifest(s.models), variant=run.variant, allow_random_weights=run.allow_random_weights)
     kb = build_kb(s, train_sets + test_sets, embedder)
-    p = build_pipeline(run)
-    p.retriever = _MemoRetriever(p.retriever.kb, p.retriever.embedder, p.retriever.reranker)
-    gen = CachedGenerator(p.generator, s.generation_cache or s.out / "generations.jsonl")
-    p.generator, p.refresh = gen, None
-    store = AttemptStore(s.out / "attempts.jsonl", p.retriever.kb.chunks)
-    p.memo = store
+    p, store, gen = shared_pipeline(run, s.out, s.generation_cache)
     ctx = Context(s, p, store, gen, [q for qs in train_sets for q in qs.queries],
                   [q for qs in test_sets for q in qs.queries], kb.stats())
     # every allowed arm of a failing query: on the test queries for the oracle and the arm
-    # table, on the training queries for best_fixed; the policies pick among the same outcomes
-    every_arm = {q.id for q in ctx.test} if Method.ORACLE in s.methods else set()
+    # table, on the training queries for best_fixed; the policies pick among the same outcomes.
+    # On Ray every test query's arms are computed by the pool, so no method's test pass runs here.
+    every_arm = {q.id for q in ctx.test} if Method.ORACLE in s.methods or s.ray is not None else set()
     if Method.BEST_FIXED in s.methods:
         every_arm |= {q.id for q in ctx.train}
-    for q in tqdm(ctx.train + ctx.test, desc="first attempts + every allowed arm of failing queries",
-                  disable=None):
-        first = ctx.first(q)
-        if first.diagnosis.failure is FailureType.NO_FAILURE or q.id not in every_arm:
-            continue
-        for arm in np.flatnonzero(ctx.allowed(first)):
-            ctx.arm_outcome(q, int(arm))
+    todo = [(q.text, q.id in every_arm) for q in ctx.train + ctx.test]
+    if s.ray is not None:
+        from d2r_edge.engine.ray_eval import compute_on_pool
+
+        compute_on_pool(run, s, todo, ctx)
+    else:
+        for text, all_arms in tqdm(todo, desc="first attempts + every allowed arm of failing queries",
+                                   disable=None):
+            compute_outcomes(p, s.task, text, all_arms)
     log.info("outcomes: %d stored attempts (%d generator calls, %d served from cache)",
              len(store), gen.calls, gen.hits)
     return ctx

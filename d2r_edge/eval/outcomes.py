@@ -26,7 +26,7 @@ from d2r_edge.generate.base import Generation
 from d2r_edge.pipeline import Attempt
 from d2r_edge.repair import PipelineConfig
 from d2r_edge.retrieval.retriever import Passage
-from d2r_edge.runner import RecordLog
+from d2r_edge.runner import RecordLog, read_records
 from d2r_edge.signals import Entailment, FailureType, KGStatus
 
 log = logging.getLogger(__name__)
@@ -84,16 +84,21 @@ def cost_from_json(c: dict | None) -> Measurement | None:
 
 
 class AttemptStore:
-    """The pipeline memo, persisted: one JSONL line per (query, effective config)."""
+    """The pipeline memo, persisted: one JSONL line per (query, effective config).
 
-    def __init__(self, path: Path, chunks: list[dict]) -> None:
+    `read_only`: a Ray worker's copy. It reads the file the driver writes, never
+    writes it, and keeps what it computes in `new_rows` for the driver to `add`.
+    """
+
+    def __init__(self, path: Path, chunks: list[dict], read_only: bool = False) -> None:
         self.chunks = chunks
-        self.log = RecordLog(path)
+        self.log = None if read_only else RecordLog(path)
+        self.new_rows: list[dict] = []
         # (query, config, metered): an attempt first computed unmetered (a first attempt) and
         # later asked for with its cost (an arm with the same effective config) is kept twice,
         # so the first attempt every method sees never changes
         self._rows: dict[tuple[str, str, bool], dict] = {}
-        for row in self.log.records:
+        for row in (read_records(path) if read_only else self.log.records):
             self._rows[(row["query"], row["config"], row["cost"] is not None)] = row
         self.hits = self.misses = 0
 
@@ -112,19 +117,29 @@ class AttemptStore:
         return attempt_from_json(row["attempt"], self.chunks), cost_from_json(row["cost"])
 
     def put(self, query: str, cfg: PipelineConfig, attempt: Attempt, cost: Measurement | None) -> None:
-        row = {"query": query, "config": config_key(cfg), "attempt": attempt_to_json(attempt),
-               "cost": cost_to_json(cost)}
-        self._rows[(query, row["config"], cost is not None)] = row
-        self.log.append(row)
+        self.add({"query": query, "config": config_key(cfg), "attempt": attempt_to_json(attempt),
+                  "cost": cost_to_json(cost)})
+
+    def add(self, row: dict) -> None:
+        """Keep one stored row (from `put`, or computed by a worker); a row already held is skipped."""
+        key = (row["query"], row["config"], row["cost"] is not None)
+        if key in self._rows:
+            return
+        self._rows[key] = row
+        if self.log is None:
+            self.new_rows.append(row)
+        else:
+            self.log.append(row)
 
     def close(self) -> None:
-        self.log.close()
+        if self.log is not None:
+            self.log.close()
 
 
 class CachedGenerator:
     """A generator whose answers are kept on disk by request."""
 
-    def __init__(self, inner, path: Path) -> None:
+    def __init__(self, inner, path: Path, read_only: bool = False) -> None:
         self.inner = inner
         self.name = getattr(inner, "name", type(inner).__name__)
         self.prompt_sensitive = getattr(inner, "prompt_sensitive", True)
@@ -132,8 +147,9 @@ class CachedGenerator:
                                     "base_url": getattr(inner, "base_url", None),
                                     "temperature": getattr(inner, "temperature", None),
                                     "max_tokens": getattr(inner, "max_tokens", None)}, sort_keys=True)
-        self.log = RecordLog(path)
-        self._cache = {row["key"]: row for row in self.log.records}
+        self.log = None if read_only else RecordLog(path)
+        self.new_rows: list[dict] = []      # read_only: answers for the driver to `add`
+        self._cache = {row["key"]: row for row in (read_records(path) if read_only else self.log.records)}
         self.calls = self.hits = 0
 
     def key(self, task, style, query: str, passages: list[str]) -> str:
@@ -152,11 +168,19 @@ class CachedGenerator:
         self.calls += 1
         t0 = time.perf_counter()
         gen = self.inner.generate(task, style, query, passages)
-        row = {"key": key, "response": gen.response, "label": gen.label.value if gen.label else None,
-               "raw": gen.raw, "latency_s": time.perf_counter() - t0}
-        self._cache[key] = row
-        self.log.append(row)
+        self.add({"key": key, "response": gen.response, "label": gen.label.value if gen.label else None,
+                  "raw": gen.raw, "latency_s": time.perf_counter() - t0})
         return gen
 
+    def add(self, row: dict) -> None:
+        if row["key"] in self._cache:
+            return
+        self._cache[row["key"]] = row
+        if self.log is None:
+            self.new_rows.append(row)
+        else:
+            self.log.append(row)
+
     def close(self) -> None:
-        self.log.close()
+        if self.log is not None:
+            self.log.close()

@@ -195,8 +195,9 @@ class LinUCB:
         _ucb_scores(self.A_inv, self.theta, x, float(self.alpha), mask, out)
         return out
 
-    def select(self, x: np.ndarray, allowed=None) -> int:
-        """argmax of the UCB over allowed arms; ties go to the lowest index."""
+    def select(self, x: np.ndarray, allowed=None, key: str | None = None) -> int:
+        """argmax of the UCB over allowed arms; ties go to the lowest index (`key` is unused:
+        the choice is a function of `x` alone)."""
         x = check_x(x, self.dim)
         mask = check_allowed(allowed, self.n_arms)
         return int(_ucb_select(self.A_inv, self._a_inv32, self.theta, x, float(self.alpha), mask,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -29,14 +30,22 @@ class ThompsonSampling:
         self.failures = np.ones(n_arms)
         self.rng = np.random.default_rng(seed)
 
-    def scores(self, x=None, allowed=None) -> np.ndarray:
-        """One posterior draw per arm; -inf where not allowed. `x` is ignored."""
+    def scores(self, x=None, allowed=None, key: str | None = None) -> np.ndarray:
+        """One posterior draw per arm; -inf where not allowed. `x` is ignored.
+
+        Without `key` the draws come from the policy's own stream (training: each update
+        changes the posterior anyway). With `key` (a frozen policy answering a query) they
+        come from a generator seeded by (seed, posterior size, key): the same query gets
+        the same draw wherever it sits in the input and on whichever worker runs it.
+        """
         mask = check_allowed(allowed, self.n_arms)
-        draws = self.rng.beta(self.successes, self.failures)
+        rng = self.rng if key is None else np.random.default_rng(
+            [self.seed, int(self.successes.sum() + self.failures.sum()), zlib.crc32(key.encode("utf-8"))])
+        draws = rng.beta(self.successes, self.failures)
         return np.where(mask, draws, -np.inf)
 
-    def select(self, x=None, allowed=None) -> int:
-        return int(np.argmax(self.scores(x, allowed)))
+    def select(self, x=None, allowed=None, key: str | None = None) -> int:
+        return int(np.argmax(self.scores(x, allowed, key)))
 
     def choice_probabilities(self, allowed=None, samples: int = 512) -> np.ndarray:
         """Monte-Carlo P(arm is picked), for propensity logging (own RNG stream)."""

@@ -15,6 +15,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -27,6 +28,8 @@ from d2r_edge.retrieval.docs import Document, read_documents
 log = logging.getLogger(__name__)
 
 KB_FORMAT_VERSION = 1
+# (shard indices to embed, texts of a shard) -> (shard index, vectors) as they are done
+ShardEmbedding = Callable[[list[int], Callable[[int], list[str]]], Iterable[tuple[int, np.ndarray]]]
 MANIFEST = "manifest.json"
 
 
@@ -155,8 +158,12 @@ class KnowledgeBase:
     # --- building ----------------------------------------------------------------
     @classmethod
     def build(cls, docs_path: Path | str, directory: Path | str, embedder,
-              cfg: KBConfig = KBConfig()) -> "KnowledgeBase":
-        """Ingest a JSONL file into a new KB; resumes an interrupted build of the same input."""
+              cfg: KBConfig = KBConfig(), embed_shards: ShardEmbedding | None = None) -> "KnowledgeBase":
+        """Ingest a JSONL file into a new KB; resumes an interrupted build of the same input.
+
+        `embed_shards` embeds the chunk shards elsewhere (`--engine ray`); chunking, BM25
+        and HNSW stay here, so the KB is the same as a local build's.
+        """
         docs_path, directory = Path(docs_path), Path(directory)
         report = read_documents(docs_path)
         fingerprint = embedder_fingerprint(embedder)
@@ -184,7 +191,7 @@ class KnowledgeBase:
             tmp = chunks_path.with_name("chunks.jsonl.tmp")
             _write_jsonl(tmp, chunks)
             os.replace(tmp, chunks_path)
-        vectors = cls._embed_resumable(embedder, chunks, work / "shards", cfg.shard_chunks)
+        vectors = cls._embed_resumable(embedder, chunks, work / "shards", cfg.shard_chunks, embed_shards)
         kb = cls._assemble(work, chunks, vectors, report.documents, fingerprint, cfg, version=1,
                            created=time.time())
         (work / "plan.json").unlink()
@@ -210,20 +217,32 @@ class KnowledgeBase:
         return kb
 
     @staticmethod
-    def _embed_resumable(embedder, chunks: list[dict], shards: Path, shard_size: int) -> np.ndarray:
-        parts = []
+    def _embed_resumable(embedder, chunks: list[dict], shards: Path, shard_size: int,
+                         embed_shards: ShardEmbedding | None = None) -> np.ndarray:
+        """Embed shard by shard, each saved as it is done; shards already on disk are reused.
+
+        `embed_shards(todo, texts_of)` may compute the missing shards elsewhere (the Ray
+        engine); it yields (shard index, vectors) in any order.
+        """
+        starts = list(range(0, len(chunks), shard_size))
+
+        def path(i: int) -> Path:
+            return shards / f"emb-{i:06d}.npy"
+
+        def texts_of(i: int) -> list[str]:
+            return [c["embed_text"] for c in chunks[starts[i]:starts[i] + shard_size]]
+
+        todo = [i for i in range(len(starts)) if not path(i).is_file()]
+        results = (embed_shards(todo, texts_of) if embed_shards is not None
+                   else ((i, embedder.encode(texts_of(i))) for i in todo))
         with _progress(len(chunks), "embedding") as bar:
-            for i, start in enumerate(range(0, len(chunks), shard_size)):
-                path = shards / f"emb-{i:06d}.npy"
-                if path.is_file():
-                    part = np.load(path, allow_pickle=False)
-                else:
-                    part = _embed_rows(embedder, chunks[start:start + shard_size])
-                    tmp = path.with_name(path.name + ".tmp.npy")
-                    np.save(tmp, part)
-                    os.replace(tmp, path)
-                parts.append(part)
+            bar.update(sum(min(shard_size, len(chunks) - starts[i]) for i in range(len(starts)) if i not in todo))
+            for i, part in results:
+                tmp = path(i).with_name(path(i).name + ".tmp.npy")
+                np.save(tmp, np.asarray(part, dtype=np.float32))
+                os.replace(tmp, path(i))
                 bar.update(len(part))
+        parts = [np.load(path(i), allow_pickle=False) for i in range(len(starts))]
         return np.concatenate(parts) if parts else np.zeros((0, embedder.dim), np.float32)
 
     @classmethod
