@@ -162,12 +162,15 @@ def run_doctor_eval(s: DoctorEvalSettings, nli, chat, search) -> dict:
     _keep_readable(diag_path, diagnoses)
     with open(diag_path, "a", encoding="utf-8") as fh:
         for key, t in failed:
-            if key not in diagnoses:
-                rec = {"key": key, **diagnoser.diagnose(t).record(),
-                       "checks": {"format_rule": simple_format_rule(t), "gold_in_evidence": simple_sufficiency_rule(t)}}
-                rec["diagnosis_correct"] = diagnosis_correct(rec)
-                diagnoses[key] = rec
-                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            checks = {"format_rule": simple_format_rule(t), "gold_in_evidence": simple_sufficiency_rule(t)}
+            if key in diagnoses:       # the rules are cheap: recomputed, so the tables follow the current ones
+                diagnoses[key]["checks"] = checks
+                diagnoses[key]["diagnosis_correct"] = diagnosis_correct(diagnoses[key])
+                continue
+            rec = {"key": key, **diagnoser.diagnose(t).record(), "checks": checks}
+            rec["diagnosis_correct"] = diagnosis_correct(rec)
+            diagnoses[key] = rec
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
     repairer = Repairer(chat, search, diagnoser, s.repair)
     tables = {}
     for method in s.methods:
