@@ -113,6 +113,9 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     from d2r_edge.retrieval.kb import KnowledgeBase
 
+    if args.engine == "ray" and args.action != "build":
+        raise InputError(f"--engine ray parallelizes index build only; index {args.action} runs here "
+                         f"(drop --engine ray)")
     if args.action == "build":
         if not args.docs:
             raise InputError("index build needs --docs FILE.jsonl")
