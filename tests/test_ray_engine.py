@@ -167,7 +167,8 @@ def test_what_parallel_workers_cannot_share_is_refused(demo, tmp_path, capsys):
     assert "learns online (Alg. 2)" in capsys.readouterr().err
     assert main(["run", *common, "--refresh-pool", str(DEMO / "docs.jsonl")]) == InputError.exit_code
     assert "--refresh-pool" in capsys.readouterr().err
-    assert main(["index", "refresh", "--kb", str(s.kb), "--models", str(s.models), "--engine", "ray"]) == InputError.exit_code
+    refresh = ["index", "refresh", "--kb", str(s.kb), "--models", str(s.models), "--engine", "ray"]
+    assert main(refresh) == InputError.exit_code
     assert "index build only" in capsys.readouterr().err
     with pytest.raises(InputError, match="queued documents.*index refresh"):
         kb = tmp_path / "kb"
