@@ -10,10 +10,11 @@ sorts by id.
 What a local run shares across queries cannot be shared by parallel workers,
 so it is refused rather than silently changed: policy learning (`train`), the
 refresh arm ingesting a queue or a refresh pool mid-run (the KB would diverge
-between workers; run `d2r-edge index refresh` first). Two things stay per
-worker and are named here: the cost model each worker keeps for budget masking
-starts from the policy's saved costs and learns from that worker's repairs only,
-and measured latencies differ run to run, as they do locally.
+between workers; run `d2r-edge index refresh` first). Outcomes (passages,
+answers, diagnoses) equal a local run's; an arm can differ where measured time
+decides, as between any two runs: the context's remaining budget, and the cost
+model behind budget masking, which each worker starts from the policy's saved
+costs and updates from its own repairs only.
 """
 
 from __future__ import annotations
