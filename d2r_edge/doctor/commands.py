@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from d2r_edge import runner
 from d2r_edge.doctor.diagnose import DoctorSettings, TrajectoryDiagnoser, answer_in, is_success
 from d2r_edge.doctor.parse import TrajectoryFormat, parse_file
 from d2r_edge.doctor.trajectory import StepKind, Trajectory
@@ -42,10 +43,6 @@ def simple_format_rule(t: Trajectory) -> bool:
     return bool(p) and any((g := normalize_answer(x)) and (g in p or p in g) for x in t.gold)
 
 
-def _rate(hits: int, n: int) -> float | None:
-    return hits / n if n else None
-
-
 def simple_sufficiency_rule(t: Trajectory) -> bool | None:
     """The checkable sufficiency label (QA): a gold answer appears in the evidence. None for FEVER."""
     if t.task == "fever":
@@ -53,18 +50,24 @@ def simple_sufficiency_rule(t: Trajectory) -> bool | None:
     return answer_in(t.gold, " ".join(s.text for s in t.of(StepKind.EVIDENCE)))
 
 
+def rule_checks(t: Trajectory) -> dict:
+    """The two labels checkable without a teacher LLM, by the two rules above."""
+    return {"format_rule": simple_format_rule(t), "gold_in_evidence": simple_sufficiency_rule(t)}
+
+
 def read_records(path: Path, key: str) -> dict:
     """JSONL records by `key`, up to the first unreadable line (a torn last line from a kill)."""
     done = {}
-    if path.is_file():
-        with open(path, encoding="utf-8") as fh:
-            for text in fh:
-                try:
-                    rec = json.loads(text)
-                    done[rec[key]] = rec
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    break
+    for rec in runner.read_records(path):
+        try:
+            done[rec[key]] = rec
+        except (KeyError, TypeError):
+            break
     return done
+
+
+def _rate(hits: int, n: int) -> float | None:
+    return hits / n if n else None
 
 
 def summarize(records: list[dict], n_parsed: int, n_issues: int, fmt: str) -> dict:
@@ -103,7 +106,7 @@ def run_diagnose(req: DiagnoseRequest, nli, llm=None) -> dict:
         for i, t in enumerate(failed):
             rec = done.get(t.line)
             if rec is not None:      # the rules are cheap: recomputed, so a reused record follows them
-                rec["checks"] = {"format_rule": simple_format_rule(t), "gold_in_evidence": simple_sufficiency_rule(t)}
+                rec["checks"] = rule_checks(t)
             else:
                 nli_d = diagnoser.diagnose(t)
                 if llm is not None:
@@ -111,7 +114,7 @@ def run_diagnose(req: DiagnoseRequest, nli, llm=None) -> dict:
                     rec["nli"] = {"type": nli_d.type.value, "culprit": nli_d.culprit, "sufficient": nli_d.sufficient}
                 else:
                     rec = nli_d.record()
-                rec["checks"] = {"format_rule": simple_format_rule(t), "gold_in_evidence": simple_sufficiency_rule(t)}
+                rec["checks"] = rule_checks(t)
                 rec.update({"question": t.question, "prediction": t.prediction, "gold": list(t.gold)})
             records.append(rec)
             fh.write(json.dumps(rec, ensure_ascii=False) + "\n")

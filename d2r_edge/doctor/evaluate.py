@@ -16,7 +16,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from d2r_edge.doctor.commands import read_records, simple_format_rule, simple_sufficiency_rule
+from d2r_edge.doctor.commands import read_records, rule_checks
 from d2r_edge.doctor.diagnose import DoctorDiagnosis, ErrorType, TrajectoryDiagnoser, answer_correct, is_success
 from d2r_edge.doctor.parse import TrajectoryFormat, parse_file
 from d2r_edge.doctor.repair import Method, Repairer, RepairSettings
@@ -162,7 +162,7 @@ def run_doctor_eval(s: DoctorEvalSettings, nli, chat, search) -> dict:
     _keep_readable(diag_path, diagnoses)
     with open(diag_path, "a", encoding="utf-8") as fh:
         for key, t in failed:
-            checks = {"format_rule": simple_format_rule(t), "gold_in_evidence": simple_sufficiency_rule(t)}
+            checks = rule_checks(t)
             if key in diagnoses:       # the rules are cheap: recomputed, so the tables follow the current ones
                 diagnoses[key]["checks"] = checks
                 diagnoses[key]["diagnosis_correct"] = diagnosis_correct(diagnoses[key])

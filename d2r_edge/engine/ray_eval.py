@@ -17,39 +17,34 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from d2r_edge.engine.ray_pool import ActorPool, assigned_threads, connect, run_setup, unreadable
-from d2r_edge.errors import D2RError
+from d2r_edge.engine.ray_pool import ActorPool, PoolWorker, connect
+from d2r_edge.engine.ray_run import run_files
 
 log = logging.getLogger(__name__)
 
 
-class OutcomeWorker:
+class OutcomeWorker(PoolWorker):
     """A Ray actor holding a read-only copy of the evaluation's shared pipeline."""
 
     def __init__(self, run, task, out: Path, generation_cache: Path | None, files: dict[str, Path],
                  setup: str | None = None) -> None:
-        self.task, self.pipeline, self._problem = task, None, unreadable(files)
-        if self._problem is None:
-            from d2r_edge.eval.answers import shared_pipeline
+        self.run, self.task, self.out, self.generation_cache = run, task, out, generation_cache
+        super().__init__(files, setup)
 
-            try:
-                run_setup(setup)
-                self.pipeline, self.store, self.gen = shared_pipeline(
-                    replace(run, intra_op_threads=assigned_threads()), out, generation_cache, read_only=True)
-            except D2RError as exc:
-                self._problem = f"a Ray worker could not load the evaluation pipeline: {exc}"
+    def load(self, threads: int) -> None:
+        from d2r_edge.eval.answers import shared_pipeline
 
-    def problem(self) -> str | None:
-        return self._problem
+        self.pipeline, self.store, self.gen = shared_pipeline(
+            replace(self.run, intra_op_threads=threads), self.out, self.generation_cache, read_only=True)
 
     def work(self, items: list[tuple[str, bool]]) -> dict:
         from d2r_edge.eval.answers import compute_outcomes
 
         for text, every_arm in items:
             compute_outcomes(self.pipeline, self.task, text, every_arm)
-        rows = {"attempts": self.store.new_rows, "generations": self.gen.new_rows,
+        rows = {"attempts": self.store.log.take_new(), "generations": self.gen.log.take_new(),
                 "generator_calls": self.gen.calls}
-        self.store.new_rows, self.gen.new_rows, self.gen.calls = [], [], 0
+        self.gen.calls = 0
         return rows
 
 
@@ -60,14 +55,12 @@ def compute_on_pool(run, s, todo: list[tuple[str, bool]], ctx) -> None:
     cfg = s.ray
     stored = len(ctx.store)
     # what the store already answers is not sent: a resumed evaluation only ships the rest
-    first_key = ctx.pipeline.default
-    todo = [(t, a) for t, a in todo if a or ctx.store.get(t, first_key, metered=False) is None]
+    todo = [(t, a) for t, a in todo if a or not ctx.store.has(t, ctx.pipeline.default, metered=False)]
     batches = [todo[i:i + cfg.batch_queries] for i in range(0, len(todo), cfg.batch_queries)]
     if not batches:
         return
-    files = {"models manifest": run.models / "manifest.json", "KB manifest": run.kb / "manifest.json"}
     connect(cfg)
-    pool = ActorPool(OutcomeWorker, (run, s.task, s.out, s.generation_cache, files, cfg.worker_setup), cfg)
+    pool = ActorPool(OutcomeWorker, (run, s.task, s.out, s.generation_cache, run_files(run), cfg.worker_setup), cfg)
     try:  # (a pool that fails to start has shut its actors down itself)
         with tqdm(total=len(todo), desc=f"attempts ({cfg.workers} Ray workers)", disable=None) as bar:
             for b, rows in pool.map_unordered(batches):

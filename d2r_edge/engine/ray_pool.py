@@ -97,6 +97,27 @@ def assigned_threads() -> int:
     return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
 
 
+class PoolWorker:
+    """Base of the pool's actors: checks the files this node must read, runs the setup hook,
+    then `load(threads)`. A problem is kept for `problem()` instead of killing the actor, so
+    the driver can fail with one message."""
+
+    def __init__(self, files: dict[str, Path], setup: str | None = None) -> None:
+        self._problem = unreadable(files)
+        if self._problem is None:
+            try:
+                run_setup(setup)
+                self.load(assigned_threads())
+            except D2RError as exc:
+                self._problem = f"a Ray worker could not load the pipeline: {exc}"
+
+    def load(self, threads: int) -> None:
+        raise NotImplementedError
+
+    def problem(self) -> str | None:
+        return self._problem
+
+
 class ActorPool:
     """`cfg.workers` actors of `worker_cls(*args)`; each must offer `problem()` and `work(batch)`."""
 

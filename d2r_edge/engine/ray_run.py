@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Callable
 
 from d2r_edge.engine import RayConfig
-from d2r_edge.engine.ray_pool import ActorPool, assigned_threads, connect, run_setup, unreadable
-from d2r_edge.errors import D2RError, InputError
+from d2r_edge.engine.ray_pool import ActorPool, PoolWorker, connect
+from d2r_edge.errors import InputError
 from d2r_edge.runner import Query, RecordLog, answer_query
 
 log = logging.getLogger(__name__)
@@ -51,22 +51,17 @@ def check_parallel_safe(settings) -> None:
                          f"each worker separately; run `d2r-edge index refresh --kb {settings.kb}` first")
 
 
-class QueryWorker:
+class QueryWorker(PoolWorker):
     """A Ray actor: one pipeline, many batches."""
 
     def __init__(self, settings, files: dict[str, Path], setup: str | None = None) -> None:
-        self.pipeline, self._problem = None, unreadable(files)
-        if self._problem is None:
-            from d2r_edge.app import build_pipeline
+        self.settings = settings
+        super().__init__(files, setup)
 
-            try:
-                run_setup(setup)
-                self.pipeline = build_pipeline(replace(settings, intra_op_threads=assigned_threads()))
-            except D2RError as exc:
-                self._problem = f"a Ray worker could not load the pipeline: {exc}"
+    def load(self, threads: int) -> None:
+        from d2r_edge.app import build_pipeline
 
-    def problem(self) -> str | None:
-        return self._problem
+        self.pipeline = build_pipeline(replace(self.settings, intra_op_threads=threads))
 
     def work(self, queries: list[Query]) -> list[dict]:
         return [answer_query(self.pipeline, q, learn=False) for q in queries]

@@ -83,33 +83,66 @@ def cost_from_json(c: dict | None) -> Measurement | None:
                        MemorySource(c["memory_source"]), int(c["samples"]))
 
 
+class _RowLog:
+    """The JSONL log behind a store: appended to, or for a read-only copy (a Ray worker's) read
+    once and never written, what is added since kept in `new_rows` for the driver to store."""
+
+    def __init__(self, path: Path, read_only: bool) -> None:
+        self._log = None if read_only else RecordLog(path)
+        self.records = read_records(path) if read_only else self._log.records
+        self.new_rows: list[dict] = []
+
+    def append(self, row: dict) -> None:
+        if self._log is None:
+            self.new_rows.append(row)
+        else:
+            self._log.append(row)
+
+    def take_new(self) -> list[dict]:
+        rows, self.new_rows = self.new_rows, []
+        return rows
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+
+
+def _attempt_key(row: dict) -> tuple[str, str, bool]:
+    return row["query"], row["config"], row["cost"] is not None
+
+
 class AttemptStore:
     """The pipeline memo, persisted: one JSONL line per (query, effective config).
 
     `read_only`: a Ray worker's copy. It reads the file the driver writes, never
-    writes it, and keeps what it computes in `new_rows` for the driver to `add`.
+    writes it, and keeps what it computes for the driver to `add` (`log.take_new()`).
     """
 
     def __init__(self, path: Path, chunks: list[dict], read_only: bool = False) -> None:
         self.chunks = chunks
-        self.log = None if read_only else RecordLog(path)
-        self.new_rows: list[dict] = []
+        self.log = _RowLog(path, read_only)
         # (query, config, metered): an attempt first computed unmetered (a first attempt) and
         # later asked for with its cost (an arm with the same effective config) is kept twice,
         # so the first attempt every method sees never changes
-        self._rows: dict[tuple[str, str, bool], dict] = {}
-        for row in (read_records(path) if read_only else self.log.records):
-            self._rows[(row["query"], row["config"], row["cost"] is not None)] = row
+        self._rows: dict[tuple[str, str, bool], dict] = {_attempt_key(row): row for row in self.log.records}
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
         return len(self._rows)
 
-    def get(self, query: str, cfg: PipelineConfig, metered: bool) -> tuple[Attempt, Measurement | None] | None:
+    def _row(self, query: str, cfg: PipelineConfig, metered: bool) -> dict | None:
         key = config_key(cfg)
         row = self._rows.get((query, key, True))
         if not metered:
             row = self._rows.get((query, key, False)) or row
+        return row
+
+    def has(self, query: str, cfg: PipelineConfig, metered: bool) -> bool:
+        """Whether `get` would answer, without decoding the attempt or counting a hit."""
+        return self._row(query, cfg, metered) is not None
+
+    def get(self, query: str, cfg: PipelineConfig, metered: bool) -> tuple[Attempt, Measurement | None] | None:
+        row = self._row(query, cfg, metered)
         if row is None:
             self.misses += 1
             return None
@@ -122,18 +155,14 @@ class AttemptStore:
 
     def add(self, row: dict) -> None:
         """Keep one stored row (from `put`, or computed by a worker); a row already held is skipped."""
-        key = (row["query"], row["config"], row["cost"] is not None)
+        key = _attempt_key(row)
         if key in self._rows:
             return
         self._rows[key] = row
-        if self.log is None:
-            self.new_rows.append(row)
-        else:
-            self.log.append(row)
+        self.log.append(row)
 
     def close(self) -> None:
-        if self.log is not None:
-            self.log.close()
+        self.log.close()
 
 
 class CachedGenerator:
@@ -147,9 +176,8 @@ class CachedGenerator:
                                     "base_url": getattr(inner, "base_url", None),
                                     "temperature": getattr(inner, "temperature", None),
                                     "max_tokens": getattr(inner, "max_tokens", None)}, sort_keys=True)
-        self.log = None if read_only else RecordLog(path)
-        self.new_rows: list[dict] = []      # read_only: answers for the driver to `add`
-        self._cache = {row["key"]: row for row in (read_records(path) if read_only else self.log.records)}
+        self.log = _RowLog(path, read_only)      # read_only: new answers for the driver to `add`
+        self._cache = {row["key"]: row for row in self.log.records}
         self.calls = self.hits = 0
 
     def key(self, task, style, query: str, passages: list[str]) -> str:
@@ -176,11 +204,7 @@ class CachedGenerator:
         if row["key"] in self._cache:
             return
         self._cache[row["key"]] = row
-        if self.log is None:
-            self.new_rows.append(row)
-        else:
-            self.log.append(row)
+        self.log.append(row)
 
     def close(self) -> None:
-        if self.log is not None:
-            self.log.close()
+        self.log.close()

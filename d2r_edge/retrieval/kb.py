@@ -232,18 +232,21 @@ class KnowledgeBase:
         def texts_of(i: int) -> list[str]:
             return [c["embed_text"] for c in chunks[starts[i]:starts[i] + shard_size]]
 
-        todo = [i for i in range(len(starts)) if not path(i).is_file()]
+        parts = {i: np.load(path(i), allow_pickle=False) for i in range(len(starts)) if path(i).is_file()}
+        todo = [i for i in range(len(starts)) if i not in parts]
         results = (embed_shards(todo, texts_of) if embed_shards is not None
                    else ((i, embedder.encode(texts_of(i))) for i in todo))
         with _progress(len(chunks), "embedding") as bar:
-            bar.update(sum(min(shard_size, len(chunks) - starts[i]) for i in range(len(starts)) if i not in todo))
+            bar.update(sum(len(part) for part in parts.values()))
             for i, part in results:
+                part = np.asarray(part, dtype=np.float32)
                 tmp = path(i).with_name(path(i).name + ".tmp.npy")
-                np.save(tmp, np.asarray(part, dtype=np.float32))
+                np.save(tmp, part)
                 os.replace(tmp, path(i))
+                parts[i] = part
                 bar.update(len(part))
-        parts = [np.load(path(i), allow_pickle=False) for i in range(len(starts))]
-        return np.concatenate(parts) if parts else np.zeros((0, embedder.dim), np.float32)
+        ordered = [parts[i] for i in range(len(starts))]
+        return np.concatenate(ordered) if ordered else np.zeros((0, embedder.dim), np.float32)
 
     @classmethod
     def _assemble(cls, work: Path, chunks: list[dict], vectors: np.ndarray, docs: list[Document],
