@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from d2r_edge.budget import CostModel, Meter
+from d2r_edge.budget import CostModel, MemoryProbe, Meter
 from d2r_edge.config import Budget, ContextConfig, ExplorationConfig, RewardConfig
 from d2r_edge.diagnose import Diagnoser
 from d2r_edge.errors import ConfigError, PolicyFileError
@@ -17,10 +17,10 @@ from d2r_edge.kg.check import KGChecker
 from d2r_edge.kg.store import KG_DIR, TripleStore
 from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
 from d2r_edge.onnx.manifest import Role, Variant, load_manifest
-from d2r_edge.onnx.session import SessionConfig
+from d2r_edge.onnx.session import SessionConfig, on_cuda
 from d2r_edge.pipeline import Pipeline
 from d2r_edge.policy import Explorer, LinUCB, ThompsonSampling
-from d2r_edge.repair import ARM_NAMES, IS_RETRIEVAL, PipelineConfig
+from d2r_edge.repair import ARM_NAMES, IS_RETRIEVAL, PipelineConfig, arm_availability
 from d2r_edge.retrieval.docs import read_documents
 from d2r_edge.retrieval.kb import KnowledgeBase, PoolRefresh
 from d2r_edge.retrieval.retriever import Retriever
@@ -53,28 +53,55 @@ class RunSettings:
     qa_hypothesis: HypothesisForm = HypothesisForm.STATEMENT
     evidence_titles: bool = True           # passages as "title\ntext" (retrieval.retriever.evidence_text)
     intra_op_threads: int = 0              # ONNX Runtime threads per session; 0 = one per usable core
+    create_policy: bool = False            # train: a --policy file that does not exist yet is started fresh
 
 
 def costs_path(policy_path: Path) -> Path:
     return policy_path.with_name(policy_path.stem + ".costs.npz")
 
 
-def load_policy(s: RunSettings, dim: int):
+def load_policy(s: RunSettings, context):
+    """The policy at `s.policy_path` and its cost model, checked against the contexts this run
+    builds (`context`: a ContextBuilder); a fresh policy when there is no path, or when
+    training (`s.create_policy`) to a file that does not exist yet."""
+    if s.policy_kind not in ("linucb", "thompson"):
+        raise ConfigError(f"policy kind must be linucb or thompson, got {s.policy_kind!r}")
     if s.policy_path is not None and s.policy_path.is_file():
         if s.policy_kind == "thompson":
             pol = ThompsonSampling.load(s.policy_path, arm_names=ARM_NAMES)
         else:
-            pol = LinUCB.load(s.policy_path, dim=dim, arm_names=ARM_NAMES)
+            pol = LinUCB.load(s.policy_path, dim=context.dim, arm_names=ARM_NAMES)
+            check_context(s.policy_path, pol.context, context.spec)
         cp = costs_path(s.policy_path)
         costs = CostModel.load(cp) if cp.is_file() else CostModel(len(ARM_NAMES))
         return pol, costs
+    if s.policy_path is not None and not s.create_policy:
+        raise PolicyFileError(f"no policy file at {s.policy_path}; train one with `d2r-edge train --policy "
+                              f"{s.policy_path}`, or leave --policy out to run an untrained policy")
     if s.policy_kind == "thompson":
         pol = ThompsonSampling(len(ARM_NAMES), seed=s.seed, arm_names=ARM_NAMES)
-    elif s.policy_kind == "linucb":
-        pol = LinUCB(len(ARM_NAMES), dim, s.alpha, arm_names=ARM_NAMES)
     else:
-        raise ConfigError(f"policy kind must be linucb or thompson, got {s.policy_kind!r}")
+        pol = LinUCB(len(ARM_NAMES), context.dim, s.alpha, arm_names=ARM_NAMES)
+    pol.context = context.spec
     return pol, CostModel(len(ARM_NAMES))
+
+
+_CONTEXT_FLAGS = {"projection_seed": "--seed", "query_dim": "the query_dim setting",
+                  "embedder": "--models (the profile whose embedder trained it)"}
+
+
+def check_context(path: Path, saved: dict | None, current: dict) -> None:
+    """A LinUCB policy scores contexts built exactly as in training, or not at all."""
+    if saved is None:
+        log.warning("%s was saved without its context settings (an older d2r-edge): cannot check that "
+                    "this run builds contexts the same way; retrain it to get the check", path)
+        return
+    diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    if diff:
+        what = "; ".join(f"{k}: trained with {saved.get(k)!r}, this run {current.get(k)!r}" for k in diff)
+        fix = ", ".join(_CONTEXT_FLAGS.get(k, k) for k in diff)
+        raise PolicyFileError(f"{path} was trained on contexts built another way ({what}); run with the "
+                              f"settings it was trained with ({fix}) or retrain it")
 
 
 def policy_updates(policy) -> int:
@@ -114,7 +141,7 @@ def build_pipeline(s: RunSettings) -> Pipeline:
     else:
         raise ConfigError(f"--generator must be extractive or openai, got {s.generator!r}")
     context = context_builder(embedder, s)
-    policy, costs = load_policy(s, context.dim)
+    policy, costs = load_policy(s, context)
     pool = None
     if s.refresh_pool is not None:
         pool = PoolRefresh(read_documents(s.refresh_pool, known_ids=kb.doc_ids).documents, seed=s.seed)
@@ -124,18 +151,22 @@ def build_pipeline(s: RunSettings) -> Pipeline:
 
     for model in (embedder, nli):
         model.warmup()
+    arms = arm_availability(manifest.roles, manifest.absent)
+    for name, why in arms.unavailable.items():
+        log.info("arm %s is off: %s", name, why)
     return Pipeline(task=s.task, retriever=Retriever(kb, embedder, reranker), generator=generator,
                     diagnoser=Diagnoser(nli, kg, s.qa_hypothesis), policy=policy, context=context, costs=costs,
-                    meter=Meter(), budget=s.budget, reward_cfg=s.reward,
+                    meter=Meter(MemoryProbe(prefer_device=on_cuda(nli.session))), budget=s.budget,
+                    reward_cfg=s.reward,
                     explorer=Explorer(IS_RETRIEVAL, s.exploration) if s.exploration.rate > 0 else None,
-                    refresh=refresh, default=PipelineConfig(evidence_titles=s.evidence_titles))
+                    refresh=refresh, default=PipelineConfig(evidence_titles=s.evidence_titles), arms=arms)
 
 
 def context_builder(embedder, s: RunSettings):
     from d2r_edge.policy.features import ContextBuilder
 
     return ContextBuilder(ContextConfig(embedding_dim=embedder.dim, query_dim=s.query_dim,
-                                        projection_seed=s.seed))
+                                        projection_seed=s.seed, embedder_id=embedder.space_id))
 
 
 def save_policy(pipeline: Pipeline, path: Path) -> None:
@@ -155,17 +186,31 @@ def replay_missing_updates(pipeline: Pipeline, records: list[dict]) -> int:
     return missing
 
 
-def train(pipeline: Pipeline, queries, out: Path, policy_path: Path, epochs: int = 2) -> list[dict]:
-    """Alg. 2: online passes over the queries; the policy is saved after every update."""
+def train(pipeline: Pipeline, queries, out: Path, policy_path: Path, epochs: int = 2,
+          save_every_updates: int = 50) -> list[dict]:
+    """Alg. 2: online passes over the queries. The policy is saved every `save_every_updates`
+    updates and at the end of each epoch; every update is in the training log first, so after
+    a crash the ones the saved policy lacks are replayed from it (`replay_missing_updates`)."""
     from d2r_edge.runner import RecordLog, process
 
+    if not isinstance(save_every_updates, int) or save_every_updates < 1:
+        raise ConfigError(f"save_every_updates must be an int >= 1, got {save_every_updates!r}")
     prior = RecordLog(out)
     prior.close()
     if replay_missing_updates(pipeline, prior.records):
         save_policy(pipeline, policy_path)
     records = prior.records
+    pending = 0
+
+    def on_update(rec: dict) -> None:
+        nonlocal pending
+        pending += 1
+        if pending >= save_every_updates:
+            save_policy(pipeline, policy_path)
+            pending = 0
+
     for epoch in range(epochs):
-        records = process(pipeline, queries, out, learn=True, epoch=epoch,
-                          on_update=lambda rec: save_policy(pipeline, policy_path)).records
-    save_policy(pipeline, policy_path)
+        records = process(pipeline, queries, out, learn=True, epoch=epoch, on_update=on_update).records
+        save_policy(pipeline, policy_path)
+        pending = 0
     return records

@@ -195,17 +195,19 @@ class CostModel:
         self.mean = np.zeros((n_arms, 2))       # [:, 0] latency_s, [:, 1] mem_mib
         self.m2 = np.zeros((n_arms, 2))
         self.recent = np.full((n_arms, window, 2), np.nan)
+        self._lock = threading.Lock()           # observations may come from concurrent requests
 
     def observe(self, arm: int, latency_s: float, mem_mib: float) -> None:
         arm = check_arm(arm, self.n_arms)
         obs = np.array([latency_s, mem_mib], dtype=np.float64)
         if not np.isfinite(obs).all() or (obs < 0).any():
             raise PolicyError(f"costs must be finite and >= 0, got {obs.tolist()}")
-        self.count[arm] += 1
-        delta = obs - self.mean[arm]
-        self.mean[arm] += delta / self.count[arm]
-        self.m2[arm] += delta * (obs - self.mean[arm])
-        self.recent[arm, (self.count[arm] - 1) % self.window] = obs
+        with self._lock:
+            self.count[arm] += 1
+            delta = obs - self.mean[arm]
+            self.mean[arm] += delta / self.count[arm]
+            self.m2[arm] += delta * (obs - self.mean[arm])
+            self.recent[arm, (self.count[arm] - 1) % self.window] = obs
 
     def std(self) -> np.ndarray:
         n = np.maximum(self.count - 1, 1)[:, None]
@@ -214,9 +216,10 @@ class CostModel:
     def predict(self) -> np.ndarray:
         """(n_arms, 2) predicted [latency_s, mem_mib]; nan for arms not yet known."""
         out = np.full((self.n_arms, 2), np.nan)
-        known = self.count >= self.min_observations
-        if known.any():
-            out[known] = np.nanquantile(self.recent[known], self.quantile, axis=1)
+        with self._lock:
+            known = self.count >= self.min_observations
+            if known.any():
+                out[known] = np.nanquantile(self.recent[known], self.quantile, axis=1)
         return out
 
     def mask(self, remaining: Budget | tuple[float, float], allowed: np.ndarray | None = None) -> MaskResult:

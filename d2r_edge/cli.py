@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import warnings
@@ -134,7 +135,10 @@ def cmd_index(args: argparse.Namespace) -> int:
     elif args.action == "refresh":
         emb = _embedder(args)
         kb = KnowledgeBase.open(args.kb, emb)
-        print(f"ingested {kb.refresh(emb)} document(s)")
+        added = kb.refresh(emb, persist=True)
+        if len(kb.manifest.get("deltas", [])) >= kb.cfg.compact_after_deltas:
+            kb.compact()
+        print(f"ingested {added} document(s); KB version {kb.version}")
     elif args.action == "kg":
         from d2r_edge.kg.store import build_store
         from d2r_edge.onnx.manifest import Variant, load_manifest
@@ -243,8 +247,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     queries = load_queries(Path(args.queries))
     if args.limit:
         queries = queries[: args.limit]
-    settings = _settings(args)
-    records = train(build_pipeline(settings), queries, Path(args.out), settings.policy_path, args.epochs)
+    settings = dataclasses.replace(_settings(args), create_policy=True)   # train may start the file
+    records = train(build_pipeline(settings), queries, Path(args.out), settings.policy_path, args.epochs,
+                    save_every_updates=args.save_every)
     print(summary(records))
     print(f"policy saved to {settings.policy_path}")
     return 0
@@ -254,7 +259,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kb", required=True, help="knowledge-base directory (d2r-edge index build)")
     p.add_argument("--task", required=True, choices=["fever", "qa"])
     p.add_argument("--queries", required=True, help="JSONL: {id, claim|question, label?} or {_id, question, answer?}")
-    p.add_argument("--out", required=True, help="JSONL records; rerun with the same file to resume")
+    p.add_argument("--out", required=True,
+                   help="JSONL records; rerun with the same file to resume: recorded queries are skipped, "
+                        "queries recorded with an error (no answer) are tried again")
     p.add_argument("--limit", type=int, default=None, help="only the first N queries")
     p.add_argument("--policy", default=None, help="policy .npz (loaded if present; train saves it)")
     p.add_argument("--policy-kind", default="linucb", choices=["linucb", "thompson"])
@@ -403,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="learn the repair policy online (Alg. 2) and save it")
     _run_args(p)
     p.add_argument("--epochs", type=int, default=2, help="passes over the queries (paper: 2)")
+    p.add_argument("--save-every", type=int, default=50,
+                   help="save the policy every N updates and at each epoch's end (a crash loses nothing: "
+                        "updates since the last save are replayed from --out)")
     p.set_defaults(func=cmd_train)
     return parser
 

@@ -85,6 +85,7 @@ class ContextConfig:
     embedding_dim: int = 384
     query_dim: int | None = 128
     projection_seed: int = 0
+    embedder_id: str | None = None          # which embedding space (Embedder.space_id)
 
     def __post_init__(self) -> None:
         if not isinstance(self.embedding_dim, int) or self.embedding_dim < 1:

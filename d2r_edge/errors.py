@@ -92,6 +92,12 @@ class ModelLoadError(D2RError):
     exit_code = 7
 
 
+class InferenceError(D2RError):
+    """ONNX Runtime failed while running a loaded model (bad input shape, out of memory, ...)."""
+
+    exit_code = 7
+
+
 class InputError(D2RError, ValueError):
     """A caller passed input that cannot be processed (names the item)."""
 

@@ -12,11 +12,12 @@ import numpy as np
 from d2r_edge.budget import CostModel, Measurement, Meter
 from d2r_edge.config import Budget, RewardConfig
 from d2r_edge.diagnose import Diagnoser, Diagnosis, Label
+from d2r_edge.errors import D2RError
 from d2r_edge.generate.base import Generation
 from d2r_edge.policy.explore import Explorer
 from d2r_edge.policy.features import ContextBuilder
 from d2r_edge.policy.reward import reward
-from d2r_edge.repair import ARM_NAMES, ARMS, IS_RETRIEVAL, PipelineConfig, PromptStyle, allowed_arms
+from d2r_edge.repair import ARM_NAMES, ARMS, IS_RETRIEVAL, ArmAvailability, PipelineConfig, PromptStyle, allowed_arms
 from d2r_edge.retrieval.retriever import Passage, Retriever, evidence_text
 from d2r_edge.signals import Entailment, FailureType, KGStatus
 from d2r_edge.tasks import Task
@@ -70,6 +71,11 @@ class Pipeline:
     refresh: Callable[[], int] | None = None    # the refresh arm's source; returns docs added
     default: PipelineConfig = field(default_factory=PipelineConfig)
     memo: AttemptMemo | None = None
+    arms: ArmAvailability = field(default_factory=ArmAvailability)   # what the loaded models can run
+
+    def allowed(self, first: Diagnosis) -> np.ndarray:
+        """The arms that may repair this first answer: the UNVERIFIED rule and the loaded models."""
+        return allowed_arms(first.unverified, self.task.restrict_unverified, self.arms.mask)
 
     def effective(self, cfg: PipelineConfig) -> PipelineConfig:
         """`cfg` with what cannot change the outcome taken out: refresh without a refresh source,
@@ -89,12 +95,12 @@ class Pipeline:
             hit = self.memo.get(query, cfg, metered)
             if hit is not None:
                 return hit
-        if metered:
-            with self.meter.measure() as m:
-                a = self.attempt(query, cfg, query_vec)
-            cost = m.result
-        else:
-            a, cost = self.attempt(query, cfg, query_vec), None
+        with self.meter.measure() as m:
+            a = self.attempt(query, cfg, query_vec)
+        # an unmetered attempt (a first pass) still notes its memory growth: the context's
+        # remaining-memory feature reads it, as the remaining-latency feature reads its times
+        a.timings_s["mem_growth_mib"] = m.result.mem_growth_mib
+        cost = m.result if metered else None
         replayed = a.generation.replayed_s
         if replayed > 0:   # a cached generator answer: count the time the real call took
             a.timings_s["generate_s"] += replayed
@@ -131,14 +137,26 @@ class Pipeline:
         first.timings_s["embed_query_s"] = first.timings_s.get("embed_query_s", embed_s)
         rec = {"first": first.summary(), "failure": first.diagnosis.failure.value, "repair": None}
         final = first
-        if first.diagnosis.failure is not FailureType.NO_FAILURE:
+        if first.diagnosis.failure is not FailureType.NO_FAILURE and not self.allowed(first.diagnosis).any():
+            # no arm both allowed and runnable with the loaded models: the first answer stands
+            rec["repair_skipped"] = {"reason": "no allowed arm can run with the loaded models",
+                                     "unavailable": dict(self.arms.unavailable)}
+        elif first.diagnosis.failure is not FailureType.NO_FAILURE:
             # the first pass's recorded stage times, not the wall clock: a memoized first
             # attempt then builds the same context vector (remaining budget) as a live one
             spent_s = sum(first.timings_s.get(k, 0.0) for k in STAGES)
-            rec["repair"], final = self._repair(query, q_vec, first, learn, spent_s)
+            try:
+                rec["repair"], final = self._repair(query, q_vec, first, learn, spent_s)
+            except (D2RError, OSError, ValueError) as exc:
+                # the repair pass failed (generator down, ...): the first answer stands, and says so
+                log.warning("repair of %r failed, keeping the first answer: %s", query[:60], exc)
+                rec["repair_error"] = f"{type(exc).__name__}: {exc}"
         rec["final"] = final.summary()
         rec["final_answer"] = self.answer(final)
         rec["first_answer"] = self.answer(first)
+        kb = getattr(self.retriever, "kb", None)
+        if kb is not None:   # which KB answered: its version on disk, and what a refresh added in memory
+            rec["kb_version"], rec["kb_docs_added_in_memory"] = kb.version, kb.session_docs
         rec["total_s"] = time.perf_counter() - t_start
         return rec
 
@@ -152,9 +170,9 @@ class Pipeline:
         t0 = time.perf_counter()
         d = first.diagnosis
         remaining_s = max(0.0, self.budget.latency_s - spent_s)
-        x = self.context.build(q_vec, d.failure, d.kg, d.e_q, d.e_r, remaining_s,
-                               self.budget.device_mem_mib, self.budget)
-        allowed = allowed_arms(d.unverified, self.task.restrict_unverified)
+        remaining_mib = max(0.0, self.budget.device_mem_mib - first.timings_s.get("mem_growth_mib", 0.0))
+        x = self.context.build(q_vec, d.failure, d.kg, d.e_q, d.e_r, remaining_s, remaining_mib, self.budget)
+        allowed = self.allowed(d)
         masked = self.costs.mask(self.budget, allowed)
         if self.explorer is not None and learn:
             decision = self.explorer.decide(self.policy, x, masked.allowed)
@@ -184,5 +202,5 @@ class Pipeline:
             "mem_growth_mib": cost.mem_growth_mib, "memory_kind": cost.memory_kind.value,
             "over_budget": cost.latency_s > self.budget.latency_s or cost.mem_growth_mib > self.budget.device_mem_mib,
             "reward": r, "x": x.tolist() if learn else None, "policy_s": policy_s,
-            "is_retrieval_arm": bool(IS_RETRIEVAL[arm]),
+            "is_retrieval_arm": bool(IS_RETRIEVAL[arm]), "unavailable": dict(self.arms.unavailable),
         }, second

@@ -79,10 +79,21 @@ def read_records(path: Path) -> list[dict]:
     return out
 
 
-class RecordLog:
-    """Append-only JSONL with crash-safe resume."""
+def is_error(rec: dict) -> bool:
+    """A record that holds no answer (the query failed): a rerun does it again."""
+    return bool(rec.get("error"))
 
-    def __init__(self, path: Path) -> None:
+
+class RecordLog:
+    """Append-only JSONL with crash-safe resume: the one implementation of resumable JSONL
+    (`run`, `train`, `eval answers`, the doctor).
+
+    `drop`: records to take out when the log is opened (e.g. error records, so a rerun
+    retries them); the file is then rewritten atomically (temp file, fsync, rename), so a
+    kill during the rewrite leaves the old file or the new one, never a mix.
+    """
+
+    def __init__(self, path: Path, drop=None) -> None:
         self.path = Path(path)
         self.records: list[dict] = []
         if self.path.is_file():
@@ -106,7 +117,28 @@ class RecordLog:
                     fh.truncate(keep)
                 log.warning("%s: cut a torn last record; it will be redone", self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if drop is not None and any(drop(r) for r in self.records):
+            n = len(self.records)
+            self.rewrite([r for r in self.records if not drop(r)])
+            log.info("%s: %d record(s) taken out to be redone", self.path, n - len(self.records))
         self._fh = open(self.path, "a", encoding="utf-8")
+
+    def rewrite(self, records: list[dict]) -> None:
+        """Replace the file's records atomically (compaction); appends then continue on the new file."""
+        fh = getattr(self, "_fh", None)
+        if fh is not None and not fh.closed:
+            fh.close()
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for rec in records:
+                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
+        self.records = list(records)
+        if fh is not None:
+            self._fh = open(self.path, "a", encoding="utf-8")
 
     def append(self, rec: dict) -> None:
         self._fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -116,6 +148,20 @@ class RecordLog:
 
     def close(self) -> None:
         self._fh.close()
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def correct(task: Task, q: dict, answer: str) -> bool | None:
@@ -130,7 +176,10 @@ def correct(task: Task, q: dict, answer: str) -> bool | None:
 
 
 def answer_query(pipeline, q: Query, learn: bool, epoch: int | None = None) -> dict:
-    """One query's record; a per-query failure (generator down, ...) is recorded, not raised."""
+    """One query's record; a per-query failure (generator down, ...) is recorded, not raised.
+
+    A failure in the repair pass keeps the first answer as final (`repair_error` says what
+    failed; Pipeline.run); only a failure before any answer leaves `error`, which a rerun retries."""
     rec = {"id": q.id, "epoch": epoch, "query": q.text, "gold_label": q.label,
            "gold_answer": q.answer, "task": pipeline.task.value}
     try:
@@ -154,7 +203,8 @@ def process(pipeline, queries: list[Query], out: Path, learn: bool, epoch: int |
     """Run queries not yet in `out`; errors are recorded per query and the run goes on."""
     from tqdm import tqdm
 
-    rlog = RecordLog(out)
+    # a query of this pass that failed before is tried again
+    rlog = RecordLog(out, drop=lambda r: is_error(r) and r.get("epoch") == epoch)
     done = {(r.get("epoch"), r["id"]) for r in rlog.records}
     todo = [q for q in queries if (epoch, q.id) not in done]
     try:
@@ -180,6 +230,17 @@ def summary(records: list[dict]) -> str:
     lines.append("failure types: " + ", ".join(f"{k} {v}" for k, v in fails.most_common()))
     arms = Counter(r["repair"]["arm"] for r in ok if r.get("repair"))
     lines.append("arms: " + (", ".join(f"{k} {v}" for k, v in arms.most_common()) or "none"))
+    off = {k: v for r in ok for k, v in ((r.get("repair") or r.get("repair_skipped") or {}).get("unavailable")
+                                         or {}).items()}
+    if off:
+        lines.append("arms off (the loaded models cannot run them): "
+                     + "; ".join(f"{k} ({v})" for k, v in sorted(off.items())))
+    failed = sum(1 for r in ok if r.get("repair_error"))
+    if failed:
+        lines.append(f"repairs that failed (first answer kept, see repair_error): {failed}")
+    skipped = sum(1 for r in ok if r.get("repair_skipped"))
+    if skipped:
+        lines.append(f"failures left unrepaired (no allowed arm can run): {skipped}")
     for which in ("first", "final"):
         vals = [r[f"{which}_correct"] for r in ok if r.get(f"{which}_correct") is not None]
         if vals:

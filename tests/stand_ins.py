@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 
@@ -23,3 +24,22 @@ def install_hash_nli() -> None:
     from d2r_edge.onnx.encoders import NLI
 
     NLI.score = lambda self, pairs: hash_nli_scores(pairs)
+
+
+def profile_without(models: Path, out: Path, roles: dict[str, str]) -> Path:
+    """A copy of an exported profile (files linked, not copied) whose manifest lacks `roles`,
+    each listed under `absent` with its reason, as `offline-quick` lists its reranker."""
+    import json
+
+    data = json.loads((models / "manifest.json").read_text(encoding="utf-8"))
+    out.mkdir(parents=True, exist_ok=True)
+    for name in roles:
+        data["roles"].pop(name)
+    data.setdefault("absent", {}).update(roles)
+    for raw in data["roles"].values():
+        src, dst = models / raw["directory"], out / raw["directory"]
+        if not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.symlink_to(src.resolve(), target_is_directory=True)
+    (out / "manifest.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    return out

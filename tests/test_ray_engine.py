@@ -70,7 +70,7 @@ def demo(tmp_path_factory, tiny_models):
     base = RunSettings(kb=kb, models=tiny_models, task=Task.FEVER, allow_random_weights=True)
     policies = {}
     for kind in ("linucb", "thompson"):
-        s = replace(base, policy_path=tmp / f"{kind}.npz", policy_kind=kind)
+        s = replace(base, policy_path=tmp / f"{kind}.npz", policy_kind=kind, create_policy=True)
         train(_hash_pipeline(s), load_queries(claims)[:16], tmp / f"train-{kind}.jsonl", s.policy_path, epochs=1)
         policies[kind] = s
     return tmp, claims, policies

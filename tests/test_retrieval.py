@@ -20,7 +20,7 @@ from d2r_edge.retrieval.bm25 import BM25Index, tokenize
 from d2r_edge.retrieval.chunker import ChunkConfig, Chunker
 from d2r_edge.retrieval.dense import DenseIndex, HNSWConfig, exact_top_k
 from d2r_edge.retrieval.docs import Document, read_documents
-from d2r_edge.retrieval.kb import KBConfig, KBModelMismatchError, KnowledgeBase, PoolRefresh
+from d2r_edge.retrieval.kb import KBConfig, KBError, KBModelMismatchError, KnowledgeBase, PoolRefresh
 from d2r_edge.retrieval.retriever import RetrievalConfig, Retriever, RetrieverKind
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,9 +119,9 @@ def test_kb_build_open_retrieve_and_refresh(tmp_path, embedder, tiny_models, hot
     write_docs(new, tmp_path / "new.jsonl")
     assert kb.queue(tmp_path / "new.jsonl") == 1
     assert kb.stats()["queued"] == 1
-    assert kb.refresh(embedder) == 1
+    assert kb.refresh(embedder, persist=True) == 1
     kb = KnowledgeBase.open(tmp_path / "kb", embedder)
-    assert kb.version == 2 and kb.stats()["queued"] == 0
+    assert kb.version == 2 and kb.stats()["queued"] == 0 and kb.stats()["delta_shards"] == 1
     hits = Retriever(kb, embedder).retrieve("When is the Zorblatt Festival held?", RetrievalConfig(top_k=1))
     assert hits[0].doc_id == "fresh-1"
     assert Retriever(kb, embedder).retrieve("Zorblatt Quenwick", RetrievalConfig(kind="bm25"))[0].doc_id == "fresh-1"
@@ -235,3 +235,54 @@ def test_second_hop_adds_the_passages_the_top_passage_names(tmp_path, embedder):
     kb.refresh(embedder)
     m = r.retrieve("Mara Ellison film director born", RetrievalConfig(kind="bm25", top_k=1, second_hop=1))
     assert [p.doc_id for p in m] == ["m", "c"]
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_refresh_is_append_only_and_a_run_never_writes_the_kb(tmp_path, embedder, hotpot, monkeypatch):
+    """Issue 27.5: the refresh arm ingests in memory at the cost of the new documents (no
+    recalibration, no rewrite of the KB's files); `index refresh` appends a delta shard and
+    bumps the manifest, leaving the base files (and the KG store) as they were."""
+    docs, _ = hotpot
+    kb = _kb(tmp_path, embedder, docs[:300], hnsw=HNSWConfig(exact_below_chunks=100))
+    assert kb.dense.index is not None
+    (tmp_path / "kb" / "kg").mkdir()
+    (tmp_path / "kb" / "kg" / "triples.jsonl").write_text("{}\n")
+    before = _files(tmp_path / "kb")
+    calls = []
+    monkeypatch.setattr(DenseIndex, "calibrate", lambda self, *a, **k: calls.append(1) or 1.0)
+    new = [Document(f"fresh-{i}", f"Zorblatt {i}", f"The Zorblatt Festival number {i} is held in Quenwick.")
+           for i in range(3)]
+    kb.queue(write_docs(new[:1], tmp_path / "q.jsonl"))
+    queued = _files(tmp_path / "kb")
+    # in memory (the refresh arm of a run): the KB on disk is untouched, the memory sees the docs
+    assert kb.refresh(embedder, extra=new[1:2]) == 2 and kb.session_docs == 2 and not calls
+    assert _files(tmp_path / "kb") == queued
+    hits = Retriever(kb, embedder).retrieve("Zorblatt Quenwick", RetrievalConfig(kind="bm25", top_k=2))
+    assert {h.doc_id for h in hits} == {"fresh-0", "fresh-1"}
+    assert kb.refresh(embedder, extra=new[1:2]) == 0            # already in: nothing twice
+    with pytest.raises(KBError, match="in memory"):
+        kb.refresh(embedder, extra=new[2:], persist=True)
+    # persisted (`index refresh`): a delta shard and the manifest; base files and kg/ unchanged
+    kb = KnowledgeBase.open(tmp_path / "kb", embedder)
+    calls.clear()
+    assert kb.refresh(embedder, extra=new[2:], persist=True) == 2 and not calls
+    after = _files(tmp_path / "kb")
+    changed = {k for k in before if before[k] != after.get(k)}
+    assert changed == {"manifest.json"}, changed
+    assert {k for k in after if k.startswith("deltas/")} == {"deltas/000002/chunks.jsonl", "deltas/000002/docs.jsonl",
+                                                             "deltas/000002/embeddings.npy"}
+    monkeypatch.undo()
+    again = KnowledgeBase.open(tmp_path / "kb", embedder)
+    assert again.version == 2 and len(again.chunks) == len(kb.chunks) and again.dense.n == again.bm25.n_docs
+    assert {"fresh-0", "fresh-2"} <= again.doc_ids
+    # compaction folds the delta into the base files and keeps the KG store
+    again.compact()
+    done = KnowledgeBase.open(tmp_path / "kb", embedder)
+    assert done.stats()["delta_shards"] == 0 and len(done.chunks) == len(kb.chunks)
+    assert (tmp_path / "kb" / "kg" / "triples.jsonl").is_file()
+    q = "Zorblatt Festival number 2 Quenwick"
+    assert (Retriever(done, embedder).retrieve(q, RetrievalConfig(kind="bm25"))[0].doc_id
+            == Retriever(again, embedder).retrieve(q, RetrievalConfig(kind="bm25"))[0].doc_id == "fresh-2")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,17 +54,6 @@ def rule_checks(t: Trajectory) -> dict:
     return {"format_rule": simple_format_rule(t), "gold_in_evidence": simple_sufficiency_rule(t)}
 
 
-def read_records(path: Path, key: str) -> dict:
-    """JSONL records by `key`, up to the first unreadable line (a torn last line from a kill)."""
-    done = {}
-    for rec in runner.read_records(path):
-        try:
-            done[rec[key]] = rec
-        except (KeyError, TypeError):
-            break
-    return done
-
-
 def _rate(hits: int, n: int) -> float | None:
     return hits / n if n else None
 
@@ -98,15 +86,17 @@ def run_diagnose(req: DiagnoseRequest, nli, llm=None) -> dict:
     """NLI diagnoses; with `llm` (an LLMDiagnoser) the LLM's, each record keeping the NLI's call."""
     parsed = parse_file(req.trajectories, req.fmt)
     failed = [t for t in parsed.trajectories if not is_success(t)][:req.limit]
-    done = {int(k): v for k, v in read_records(req.out, "line").items()}
+    rlog = runner.RecordLog(req.out)          # append-only: a kill loses at most the record being written
+    done = {int(r["line"]): r for r in rlog.records if isinstance(r, dict) and "line" in r}
     diagnoser = TrajectoryDiagnoser(nli, req.settings)
-    req.out.parent.mkdir(parents=True, exist_ok=True)
-    records = []
-    with open(req.out, "w", encoding="utf-8") as fh:       # rewritten in input order; done lines reused
+    records, stale = [], False
+    try:
         for i, t in enumerate(failed):
             rec = done.get(t.line)
             if rec is not None:      # the rules are cheap: recomputed, so a reused record follows them
-                rec["checks"] = rule_checks(t)
+                checks = rule_checks(t)
+                stale |= rec.get("checks") != checks
+                rec["checks"] = checks
             else:
                 nli_d = diagnoser.diagnose(t)
                 if llm is not None:
@@ -116,12 +106,18 @@ def run_diagnose(req: DiagnoseRequest, nli, llm=None) -> dict:
                     rec = nli_d.record()
                 rec["checks"] = rule_checks(t)
                 rec.update({"question": t.question, "prediction": t.prediction, "gold": list(t.gold)})
+                rlog.append(rec)
             records.append(rec)
-            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
             if (i + 1) % 100 == 0:
-                fh.flush()
-                os.fsync(fh.fileno())
                 log.info("diagnosed %d/%d failed trajectories", i + 1, len(failed))
+        # the file in input order with current rule checks (records of other trajectories kept after):
+        # an atomic rewrite, only when that changes anything
+        mine = {id(r) for r in records}
+        ordered = records + [r for r in rlog.records if id(r) not in mine]
+        if stale or [id(r) for r in ordered] != [id(r) for r in rlog.records]:
+            rlog.rewrite(ordered)
+    finally:
+        rlog.close()
     summary = summarize(records, len(parsed.trajectories), len(parsed.issues), parsed.format.value)
     paired = [r for r in records if "nli" in r]
     if paired:

@@ -16,7 +16,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from d2r_edge.doctor.commands import read_records, rule_checks
+from d2r_edge.doctor.commands import rule_checks
 from d2r_edge.doctor.diagnose import DoctorDiagnosis, ErrorType, TrajectoryDiagnoser, answer_correct, is_success
 from d2r_edge.doctor.parse import TrajectoryFormat, parse_file
 from d2r_edge.doctor.repair import Method, Repairer, RepairSettings
@@ -24,6 +24,7 @@ from d2r_edge.doctor.trajectory import StepKind, Trajectory
 from d2r_edge.errors import InputError
 from d2r_edge.eval.metrics import normalize_answer, token_f1
 from d2r_edge.retrieval.docs import Document
+from d2r_edge.runner import RecordLog
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +106,8 @@ def diagnosis_correct(rec: dict) -> bool | None:
     return None if g is None else rec["sufficient"] == g
 
 
-def _keep_readable(path: Path, records: dict) -> None:
-    """Rewrite `path` with its readable records: appending after a torn line would bury the new ones."""
-    if path.is_file():
-        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records.values()),
-                        encoding="utf-8")
+def _by_key(records: list[dict]) -> dict:
+    return {r["key"]: r for r in records if isinstance(r, dict) and "key" in r}
 
 
 def method_table(method: str, recs: list[dict], by_key: dict, n_all: int) -> dict:
@@ -157,27 +155,33 @@ def run_doctor_eval(s: DoctorEvalSettings, nli, chat, search) -> dict:
         failed += [(f"{i}:{t.line}", t) for t in fl]
         files.append({"file": str(path), "format": parsed.format.value, "parsed": len(parsed.trajectories),
                       "succeeded": ok, "failed_used": len(fl), "skipped_malformed": len(parsed.issues)})
-    diag_path = s.out / "diagnoses.jsonl"
-    diagnoses = read_records(diag_path, "key")
-    _keep_readable(diag_path, diagnoses)
-    with open(diag_path, "a", encoding="utf-8") as fh:
+    # append-only logs (runner.RecordLog: a torn last line from a kill is cut, finished records stay)
+    dlog = RecordLog(s.out / "diagnoses.jsonl")
+    diagnoses = _by_key(dlog.records)
+    stale = False
+    try:
         for key, t in failed:
             checks = rule_checks(t)
             if key in diagnoses:       # the rules are cheap: recomputed, so the tables follow the current ones
-                diagnoses[key]["checks"] = checks
-                diagnoses[key]["diagnosis_correct"] = diagnosis_correct(diagnoses[key])
+                d = diagnoses[key]
+                stale |= d.get("checks") != checks
+                d["checks"] = checks
+                d["diagnosis_correct"] = diagnosis_correct(d)
                 continue
             rec = {"key": key, **diagnoser.diagnose(t).record(), "checks": checks}
             rec["diagnosis_correct"] = diagnosis_correct(rec)
             diagnoses[key] = rec
-            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            dlog.append(rec)
+        if stale:                      # the file follows the current rules: an atomic rewrite
+            dlog.rewrite(list(dlog.records))
+    finally:
+        dlog.close()
     repairer = Repairer(chat, search, diagnoser, s.repair)
     tables = {}
     for method in s.methods:
-        path = s.out / f"{method.value}.jsonl"
-        done = read_records(path, "key")
-        _keep_readable(path, done)
-        with open(path, "a", encoding="utf-8") as fh:
+        mlog = RecordLog(s.out / f"{method.value}.jsonl")
+        done = _by_key(mlog.records)
+        try:
             for n, (key, t) in enumerate(failed):
                 if key in done:
                     continue
@@ -190,9 +194,10 @@ def run_doctor_eval(s: DoctorEvalSettings, nli, chat, search) -> dict:
                           "f1_before": _f1(t, t.prediction), "f1_after": _f1(t, r["answer"]),
                           "rouge_before": rouge_l(t.prediction, t.gold), "rouge_after": rouge_l(r["answer"], t.gold)})
                 done[key] = r
-                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-                fh.flush()
+                mlog.append(r)
                 log.info("%s: %d/%d repaired (%s -> %s)", method.value, n + 1, len(failed), t.prediction, r["answer"])
+        finally:
+            mlog.close()
         tables[method.value] = method_table(method.value, [done[k] for k, _ in failed], diagnoses, n_all)
     summary = {"files": files, "trajectories": n_all, "failed": len(failed),
                "diagnosis_types": dict(Counter(diagnoses[k]["type"] for k, _ in failed)),

@@ -41,7 +41,7 @@ class OutcomeWorker(PoolWorker):
         from d2r_edge.eval.answers import compute_outcomes
 
         for text, every_arm in items:
-            compute_outcomes(self.pipeline, self.task, text, every_arm)
+            compute_outcomes(self.pipeline, text, every_arm)
         rows = {"attempts": self.store.log.take_new(), "generations": self.gen.log.take_new(),
                 "generator_calls": self.gen.calls}
         self.gen.calls = 0

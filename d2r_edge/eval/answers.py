@@ -29,7 +29,7 @@ from d2r_edge.eval.metrics import exact_match, fever_label, token_f1
 from d2r_edge.eval.outcomes import AttemptStore, CachedGenerator
 from d2r_edge.eval.querysets import EvalQuery, QuerySet, load_queryset
 from d2r_edge.eval.split import Split
-from d2r_edge.repair import ARM_NAMES, ARMS, allowed_arms
+from d2r_edge.repair import ARM_NAMES, ARMS
 from d2r_edge.retrieval.retriever import Retriever
 from d2r_edge.signals import Entailment, FailureType
 from d2r_edge.tasks import Task
@@ -155,10 +155,9 @@ def load_splits(s: EvalSettings) -> tuple[list[QuerySet], list[QuerySet]]:
     return train, test
 
 
-def build_kb(s: EvalSettings, sets: list[QuerySet], embedder):
-    """The KB of every document of the train and test files (+ --extra-docs), cached under --out."""
+def kb_documents(s: EvalSettings, sets: list[QuerySet]) -> list:
+    """Every document of the train and test files (+ --extra-docs), once each, in order."""
     from d2r_edge.retrieval.docs import read_documents
-    from d2r_edge.retrieval.kb import KnowledgeBase
 
     docs, seen = [], set()
     for qs in sets:
@@ -171,7 +170,7 @@ def build_kb(s: EvalSettings, sets: list[QuerySet], embedder):
             if d.id not in seen:
                 seen.add(d.id)
                 docs.append(d)
-    return KnowledgeBase.cached(docs, s.out, embedder)
+    return docs
 
 
 # --- the shared outcomes --------------------------------------------------------------
@@ -209,7 +208,8 @@ class Context:
         return self.pipeline.metered_attempt(q.text, ARMS[arm].apply(self.pipeline.default))
 
     def allowed(self, first) -> np.ndarray:
-        return allowed_arms(first.diagnosis.unverified, self.settings.task.restrict_unverified)
+        """The UNVERIFIED rule and the arms the loaded models can run (Pipeline.allowed)."""
+        return self.pipeline.allowed(first.diagnosis)
 
     def answer(self, attempt) -> str:
         return self.pipeline.answer(attempt)
@@ -226,8 +226,12 @@ def _form(run) -> str:
     return str(getattr(run.qa_hypothesis, "value", run.qa_hypothesis))
 
 
-def fingerprint(s: EvalSettings) -> dict:
-    """What the stored attempts, policies and records depend on (the test slice may grow)."""
+def fingerprint(s: EvalSettings, kb_input_sha256: str) -> dict:
+    """What the stored attempts, policies and records depend on (the test slice may grow).
+
+    The stored attempts name passages by chunk id in the KB, so the KB's input documents are
+    part of it by content (`kb_input_sha256`), not only by file path: an input file edited in
+    place would otherwise decode old attempts onto other passages."""
     from d2r_edge.onnx.manifest import sha256_file
 
     run = s.run
@@ -241,14 +245,22 @@ def fingerprint(s: EvalSettings) -> dict:
             "train": [str(p) for p in s.train], "train_limit": s.train_limit,
             "test": [str(p) for p in s.test], "test_offset": s.test_offset,
             "evidence_titles": run.evidence_titles, "arms": list(ARM_NAMES),
-            "extra_docs": [str(p) for p in s.extra_docs]}
+            "extra_docs": [str(p) for p in s.extra_docs], "kb_input_sha256": kb_input_sha256}
 
 
-def _check_out(s: EvalSettings) -> None:
+def _check_out(s: EvalSettings, kb_input_sha256: str) -> None:
     s.out.mkdir(parents=True, exist_ok=True)
-    path, want = s.out / "settings.json", fingerprint(s)
+    path, want = s.out / "settings.json", fingerprint(s, kb_input_sha256)
     if path.is_file():
         have = json.loads(path.read_text(encoding="utf-8"))
+        stamp = s.out / "kb.input-sha256"
+        if "kb_input_sha256" not in have and stamp.is_file():
+            # written before the digest was part of the settings: the KB's own stamp says it
+            have["kb_input_sha256"] = stamp.read_text().strip()
+        if have.get("kb_input_sha256") != kb_input_sha256:
+            raise InputError(f"{s.out} holds attempts computed on other documents: a --train, --test or "
+                             f"--extra-docs file changed since (the stored passages would be decoded against "
+                             f"a different knowledge base); use another --out, or delete {s.out} to start over")
         diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
         if diff:
             raise InputError(f"{s.out} holds an evaluation with other settings ({', '.join(diff)} differ); "
@@ -271,26 +283,28 @@ def shared_pipeline(run, out: Path, generation_cache: Path | None, read_only: bo
     return p, store, gen
 
 
-def compute_outcomes(p, task: Task, text: str, every_arm: bool) -> None:
+def compute_outcomes(p, text: str, every_arm: bool) -> None:
     """The first attempt of a query and, if it fails and `every_arm`, every allowed arm (into p.memo)."""
     first = p.metered_attempt(text, p.default, metered=False)[0]
     if first.diagnosis.failure is FailureType.NO_FAILURE or not every_arm:
         return
-    for arm in np.flatnonzero(allowed_arms(first.diagnosis.unverified, task.restrict_unverified)):
+    for arm in np.flatnonzero(p.allowed(first.diagnosis)):
         p.metered_attempt(text, ARMS[int(arm)].apply(p.default))
 
 
 def open_context(s: EvalSettings) -> Context:
     from tqdm import tqdm
 
-    train_sets, test_sets = load_splits(s)
-    _check_out(s)
-    run = replace(s.run, task=s.task, kb=s.out / "kb", models=s.models)
     from d2r_edge.onnx.encoders import Embedder
     from d2r_edge.onnx.manifest import load_manifest
+    from d2r_edge.retrieval.kb import KnowledgeBase
 
+    train_sets, test_sets = load_splits(s)
+    docs = kb_documents(s, train_sets + test_sets)
+    _check_out(s, KnowledgeBase.input_digest(docs))
+    run = replace(s.run, task=s.task, kb=s.out / "kb", models=s.models)
     embedder = Embedder(load_manifest(s.models), variant=run.variant, allow_random_weights=run.allow_random_weights)
-    kb = build_kb(s, train_sets + test_sets, embedder)
+    kb = KnowledgeBase.cached(docs, s.out, embedder)
     p, store, gen = shared_pipeline(run, s.out, s.generation_cache)
     ctx = Context(s, p, store, gen, [q for qs in train_sets for q in qs.queries],
                   [q for qs in test_sets for q in qs.queries], kb.stats())
@@ -308,7 +322,7 @@ def open_context(s: EvalSettings) -> Context:
     else:
         for text, all_arms in tqdm(todo, desc="first attempts + every allowed arm of failing queries",
                                    disable=None):
-            compute_outcomes(p, s.task, text, all_arms)
+            compute_outcomes(p, text, all_arms)
     log.info("outcomes: %d stored attempts (%d generator calls, %d served from cache)",
              len(store), gen.calls, gen.hits)
     return ctx
@@ -330,7 +344,8 @@ def evaluate(s: EvalSettings) -> dict:
                             "device_mem_mib": ctx.pipeline.budget.device_mem_mib},
                  "train_files": [str(p) for p in s.train], "test_files": [str(p) for p in s.test],
                  "kb": ctx.kb_stats, "stored_attempts": len(ctx.store),
-                 "generator_calls": ctx.generator.calls, "generator_cache_hits": ctx.generator.hits}
+                 "generator_calls": ctx.generator.calls, "generator_cache_hits": ctx.generator.hits,
+                 "unavailable_arms": dict(ctx.pipeline.arms.unavailable)}
         if Method.BEST_FIXED in s.methods:
             extra["best_fixed_arm"] = ARM_NAMES[best_fixed_arm(ctx)]
         if not s.task.fact_verification:

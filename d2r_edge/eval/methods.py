@@ -45,8 +45,11 @@ def _record(ctx: Context, q: EvalQuery, method: Method, first, final, arm: int |
 def _fixed(ctx: Context, q: EvalQuery, method: Method, arm: int) -> dict:
     first = ctx.first(q)
     if first.diagnosis.failure is FailureType.NO_FAILURE or not ctx.allowed(first)[arm]:
-        # a baseline whose arm the UNVERIFIED rule forbids leaves the answer as it was
-        return _record(ctx, q, method, first, first, None, None, ctx.pipeline.budget)
+        # a baseline whose arm the UNVERIFIED rule forbids, or the loaded models cannot run,
+        # leaves the answer as it was
+        why = ctx.pipeline.arms.reason(arm)
+        return _record(ctx, q, method, first, first, None, None, ctx.pipeline.budget,
+                       {"arm_unavailable": {ARM_NAMES[arm]: why}} if why else None)
     final, cost = ctx.arm_outcome(q, arm)
     return _record(ctx, q, method, first, final, arm, cost, ctx.pipeline.budget)
 
@@ -106,7 +109,7 @@ def policy_pipeline(ctx: Context, method: Method):
     base = ctx.pipeline
     budget = base.budget.scaled(spec.budget_factor) if spec.budget_factor != 1.0 else base.budget
     run = replace(ctx.settings.run, policy_kind=spec.kind, policy_path=None)
-    policy, costs = load_policy(run, base.context.dim)
+    policy, costs = load_policy(run, base.context)
     return replace(base, policy=policy, costs=costs, budget=budget, reward_cfg=spec.reward, explorer=None)
 
 

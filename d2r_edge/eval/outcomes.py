@@ -181,7 +181,9 @@ class CachedGenerator:
         self.calls = self.hits = 0
 
     def key(self, task, style, query: str, passages: list[str]) -> str:
-        req = [self.identity, task.value, style.value if self.prompt_sensitive else None, query, passages]
+        # JSON mode is read per request: a server that rejects it changes the output format
+        req = [self.identity, task.value, style.value if self.prompt_sensitive else None, query, passages,
+               getattr(self.inner, "json_mode", None)]
         return hashlib.sha256(json.dumps(req, ensure_ascii=False).encode()).hexdigest()
 
     def generate(self, task, style, query: str, passages: list[str]) -> Generation:

@@ -54,6 +54,9 @@ def method_metrics(ctx: Context, recs: list[dict], naive: list[dict]) -> dict:
     m["budget_violations_pct"] = (100 * sum(bool(r["over_budget"]) for r in rep) / len(rep)) if rep else 0.0
     m["wrong_to_right"], m["right_to_wrong"] = flips([r["first_correct"] for r in recs], final)
     m["arms"] = dict(Counter(r["arm"] for r in rep).most_common())
+    off = {k: v for r in recs for k, v in (r.get("arm_unavailable") or {}).items()}
+    if off:
+        m["arm_unavailable"] = off     # a fixed-arm baseline whose arm the models cannot run
     return m
 
 
@@ -225,6 +228,13 @@ def markdown(summary: dict) -> str:
     if summary.get("generator_cache_hits"):
         lines.append(f"{summary['generator_cache_hits']} generator answers were replayed from the generation "
                      f"cache in this run; their attempts' latency counts the time the original call took.")
+    off = summary.get("unavailable_arms") or {}
+    if off:
+        lines.append("Arms the loaded models cannot run, never chosen or tried by any method here: "
+                     + "; ".join(f"`{a}` ({why})" for a, why in off.items()) + ".")
+    for m, v in ms.items():
+        for a, why in (v.get("arm_unavailable") or {}).items():
+            lines.append(f"`{m}` would apply `{a}`, which is unavailable ({why}): it kept every first answer.")
     lines += ["Differences to `naive` are paired over the same queries, with a 95% bootstrap interval.",
               f"{summary['refresh_arms'][0].upper()}{summary['refresh_arms'][1:]}.", "", "## Table 1", ""]
     head = (["method", "ACC", "macro-F1"] if fever else ["method", "EM", "F1"]) + [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -64,15 +65,18 @@ class OpenAICompatible:
                     return json.loads(resp.read().decode("utf-8"))
             except urllib.error.HTTPError as exc:
                 body = exc.read().decode("utf-8", "replace")[:300]
-                if exc.code == 400 and "response_format" in payload:
+                if exc.code == 400 and "response_format" in payload and rejects_json_mode(body):
                     raise _RejectedJSONMode(body) from None
                 last = f"HTTP {exc.code}: {body}"
                 if exc.code not in RETRY_STATUS:
                     break
-            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as exc:
+            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError,
+                    http.client.HTTPException) as exc:     # HTTPException: IncompleteRead, BadStatusLine, ...
                 last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
             except json.JSONDecodeError as exc:
                 last = f"invalid JSON body ({exc.msg})"
+            except UnicodeDecodeError:
+                last = "a body that is not UTF-8"
             if attempt < self.max_retries:
                 time.sleep(self.backoff_s * (2 ** attempt) * (1 + random.random() * 0.1))
         raise GeneratorError(f"generator at {self.base_url} failed after {self.max_retries + 1} "
@@ -120,3 +124,13 @@ class ChatResult:
 
 class _RejectedJSONMode(Exception):
     pass
+
+
+_JSON_MODE_WORDS = ("response_format", "json_object", "json mode", "json_schema", "grammar")
+
+
+def rejects_json_mode(body: str) -> bool:
+    """Whether a 400 body is about `response_format` (the server has no JSON mode), not about
+    this one request (an over-long prompt, a bad parameter): only then is JSON mode dropped."""
+    text = body.lower()
+    return any(w in text for w in _JSON_MODE_WORDS)

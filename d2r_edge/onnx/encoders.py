@@ -7,7 +7,9 @@ then put back in the caller's order: callers never see batch boundaries.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -109,6 +111,8 @@ class _Encoder:
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.tokenizer = load_tokenizer(self.entry)
+        self._pair_toks: dict[str, object] = {}
+        self._lock = threading.Lock()
         self.batch = batch.for_session(self.session, self.cpu_batch_tokens)
         self.pad_id = self._pad_id()
 
@@ -127,24 +131,34 @@ class _Encoder:
             texts = [check_text(t, i) for i, t in enumerate(texts or [])]
             return self.tokenizer.encode_batch(texts)
         pairs = [(check_text(a, i), check_text(b, i)) for i, (a, b) in enumerate(pairs)]
-        max_len = self.entry.max_length_tokens
+        tok = self._pair_tokenizer(truncate)
         try:
-            self.tokenizer.enable_truncation(max_len, strategy=truncate)
-            try:
-                return self.tokenizer.encode_batch(pairs)
-            except Exception:
-                # Some member alone overflows: cut both for those (rare).
-                out = []
-                for a, b in pairs:
-                    try:
-                        out.append(self.tokenizer.encode(a, b))
-                    except Exception:
-                        self.tokenizer.enable_truncation(max_len, strategy="longest_first")
-                        out.append(self.tokenizer.encode(a, b))
-                        self.tokenizer.enable_truncation(max_len, strategy=truncate)
-                return out
-        finally:
-            self.tokenizer.enable_truncation(max_len, strategy="longest_first")
+            return tok.encode_batch(pairs)
+        except Exception:
+            # Some member alone overflows: cut both for those (rare).
+            out = []
+            for a, b in pairs:
+                try:
+                    out.append(tok.encode(a, b))
+                except Exception:
+                    out.append(self._pair_tokenizer("longest_first").encode(a, b))
+            return out
+
+    def _pair_tokenizer(self, strategy: str):
+        """A tokenizer whose pair truncation is `strategy`, made once per strategy and never changed:
+        switching one shared tokenizer's truncation per call raced between threads."""
+        tok = self._pair_toks.get(strategy)
+        if tok is None:
+            with self._lock:
+                tok = self._pair_toks.get(strategy)
+                if tok is None:
+                    from tokenizers import Tokenizer
+
+                    tok = Tokenizer.from_str(self.tokenizer.to_str())
+                    tok.no_padding()
+                    tok.enable_truncation(self.entry.max_length_tokens, strategy=strategy)
+                    self._pair_toks[strategy] = tok
+        return tok
 
     def _feeds(self, encs: list) -> dict[str, np.ndarray]:
         width = max(len(e.ids) for e in encs)
@@ -286,3 +300,15 @@ class Embedder(_Encoder):
     @property
     def dim(self) -> int:
         return int(self.session.get_outputs()[0].shape[-1])
+
+    @property
+    def space_id(self) -> str:
+        """Which embedding space this is, for a policy's context spec: the exported weights'
+        sha256, shared by every precision variant of one checkpoint (else the sha256 of the fp32
+        graph files). An index pins more: retrieval.kb.embedder_fingerprint adds the variant."""
+        src = self.entry.raw.get("source") or {}
+        if src.get("weights_sha256"):
+            return f"weights:{src['weights_sha256']}"
+        files = self.entry.variants.get(Variant.FP32) or self.entry.variants[self.variant]
+        digest = hashlib.sha256("".join(files[n].sha256 for n in sorted(files)).encode()).hexdigest()
+        return f"onnx:{digest}"

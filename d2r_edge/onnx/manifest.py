@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import threading
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -54,6 +56,50 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: fh.read(_HASH_CHUNK_BYTES), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+VERIFIED_CACHE = ".verified-sha256.json"
+_verified: dict[tuple[str, int, int], str] = {}
+_verified_lock = threading.Lock()
+
+
+def verified_sha256(path: Path, cache_dir: Path) -> str:
+    """sha256 of a model file, hashed once per (path, size, mtime): in this process, and across
+    processes through `cache_dir/.verified-sha256.json` (the profile's directory; best effort:
+    a read-only models directory just hashes again). A file rewritten in place gets a new mtime and is hashed
+    again; this guards against corrupted or swapped files, not against someone forging mtimes."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    with _verified_lock:
+        if key in _verified:
+            return _verified[key]
+    cache_path = Path(cache_dir) / VERIFIED_CACHE
+    name = os.path.relpath(path, Path(cache_dir).resolve())
+    try:
+        cache = json.loads(cache_path.read_text(encoding="utf-8"))
+        hit = cache.get(name)
+        if not isinstance(cache, dict) or not isinstance(hit, dict):
+            raise ValueError
+        if hit.get("size_bytes") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
+            digest = str(hit["sha256"])
+            with _verified_lock:
+                _verified[key] = digest
+            return digest
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        cache = {}
+    digest = sha256_file(path)
+    with _verified_lock:
+        _verified[key] = digest
+    cache = cache if isinstance(cache, dict) else {}
+    cache[name] = {"sha256": digest, "size_bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    try:
+        tmp = cache_path.with_name(f"{VERIFIED_CACHE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, cache_path)
+    except OSError:
+        pass
+    return digest
 
 
 @dataclass(frozen=True)
@@ -121,7 +167,7 @@ class RoleEntry:
         path = self.directory / name
         if not path.is_file():
             raise IntegrityError(f"{path} is missing; re-run d2r-edge export for this profile")
-        if path.stat().st_size != entry.size_bytes or sha256_file(path) != entry.sha256:
+        if path.stat().st_size != entry.size_bytes or verified_sha256(path, self.directory.parent) != entry.sha256:
             raise IntegrityError(
                 f"{path} does not match the sha256 recorded in the manifest (changed or "
                 f"corrupted); re-run d2r-edge export for this profile"

@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from d2r_edge.config import coerce_enum
-from d2r_edge.errors import ConfigError, ModelLoadError
+from d2r_edge.errors import ConfigError, InferenceError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -131,15 +131,30 @@ def run(session, output_names: list[str], feeds: dict) -> list:
     land in host memory ORT allocates for them, instead of ORT's per-run
     staging copies.
     """
-    if not on_cuda(session):
-        return session.run(output_names, feeds)
-    binding = session.io_binding()
-    for name, value in feeds.items():
-        binding.bind_cpu_input(name, value)
-    for name in output_names:
-        binding.bind_output(name, "cpu")
-    session.run_with_iobinding(binding)
-    return binding.copy_outputs_to_cpu()
+    try:
+        if not on_cuda(session):
+            return session.run(output_names, feeds)
+        binding = session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        for name in output_names:
+            binding.bind_output(name, "cpu")
+        session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()
+    except Exception as exc:  # ORT's Fail/InvalidArgument/RuntimeException are plain Exceptions
+        shapes = ", ".join(f"{k}{tuple(getattr(v, 'shape', ()))}" for k, v in feeds.items())
+        raise InferenceError(
+            f"ONNX Runtime failed running {_model_name(session)} on inputs {shapes}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}; if this repeats, "
+            f"check free memory and that the model files match their manifest (d2r-edge export)"
+        ) from exc
+
+
+def _model_name(session) -> str:
+    try:
+        return Path(session._model_path).name
+    except (AttributeError, TypeError):
+        return "a model"
 
 
 def open_session(path: Path | str, cfg: SessionConfig = SessionConfig()):

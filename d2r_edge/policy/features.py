@@ -35,6 +35,14 @@ class ContextBuilder:
     def dim(self) -> int:
         return self.cfg.dim
 
+    @property
+    def spec(self) -> dict:
+        """How x is built: saved in a policy file, so a policy is never scored on contexts
+        built another way (another projection seed, size or embedder)."""
+        c = self.cfg
+        return {"features": "appendix-b/v1", "embedding_dim": c.embedding_dim, "query_dim": c.query_dim,
+                "projection_seed": c.projection_seed, "embedder": c.embedder_id}
+
     def build(self, query_embedding: np.ndarray, failure: FailureType, kg: KGStatus,
               e_q: Entailment, e_r: Entailment, remaining_latency_s: float,
               remaining_mem_mib: float, budget: Budget) -> np.ndarray:

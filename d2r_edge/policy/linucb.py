@@ -26,7 +26,16 @@ from numba import njit
 
 from d2r_edge.config import LinUCBConfig
 from d2r_edge.errors import PolicyError
-from d2r_edge.policy.state import check_allowed, check_arm, check_reward, check_x, load_npz, save_npz
+from d2r_edge.policy.state import (
+    check_allowed,
+    check_arm,
+    check_reward,
+    check_x,
+    context_arrays,
+    context_from,
+    load_npz,
+    save_npz,
+)
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +189,7 @@ class LinUCB:
         self.theta = np.zeros((n_arms, dim))
         self.counts = np.zeros(n_arms, dtype=np.int64)
         self._since_reinvert = np.zeros(n_arms, dtype=np.int64)
-        self._u = np.empty(dim)
-        self._lo, self._hi = np.empty(n_arms), np.empty(n_arms)
+        self.context: dict | None = None     # ContextBuilder.spec of the contexts it learns from
 
     @property
     def alpha(self) -> float:
@@ -201,7 +209,7 @@ class LinUCB:
         x = check_x(x, self.dim)
         mask = check_allowed(allowed, self.n_arms)
         return int(_ucb_select(self.A_inv, self._a_inv32, self.theta, x, float(self.alpha), mask,
-                               self._lo, self._hi))
+                               np.empty(self.n_arms), np.empty(self.n_arms)))   # scratch per call: thread-safe
 
     def update(self, arm: int, x: np.ndarray, reward: float) -> None:
         """Eq. 3 for the played arm only, by a rank-one Sherman–Morrison update."""
@@ -209,7 +217,7 @@ class LinUCB:
         x = check_x(x, self.dim)
         reward = check_reward(reward)
         _sherman_morrison(self.A[arm], self.A_inv[arm], self._a_inv32[arm], self.b[arm], self.theta[arm], x,
-                          reward, self._u)
+                          reward, np.empty(self.dim))
         self.counts[arm] += 1
         self._since_reinvert[arm] += 1
         every = self.config.reinvert_every
@@ -230,7 +238,7 @@ class LinUCB:
             "alpha": np.float64(self.alpha), "reinvert_every": np.int64(self.config.reinvert_every),
             "arm_names": np.array(self.arm_names, dtype=str), "A": self.A, "A_inv": self.A_inv,
             "b": self.b, "theta": self.theta, "counts": self.counts,
-            "since_reinvert": self._since_reinvert,
+            "since_reinvert": self._since_reinvert, **context_arrays(self.context),
         })
 
     @classmethod
@@ -254,4 +262,5 @@ class LinUCB:
         pol.theta[:] = z["theta"]
         pol.counts[:] = z["counts"]
         pol._since_reinvert[:] = z["since_reinvert"]
+        pol.context = context_from(z)
         return pol

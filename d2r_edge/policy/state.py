@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import zipfile
@@ -115,3 +116,21 @@ def load_npz(path: Path | str, kind: str, *, expect_dim: int | None = None,
             )
         raise PolicyFileError(f"{path}: policy arms {have} differ from {want}; retrain it with `d2r-edge train`")
     return data
+
+
+def context_arrays(context: dict | None) -> dict[str, np.ndarray]:
+    """A policy's context spec as an npz entry (JSON text; nothing pickled)."""
+    return {} if context is None else {"context_json": np.array(json.dumps(context, sort_keys=True))}
+
+
+def context_from(data: dict[str, np.ndarray]) -> dict | None:
+    """The context spec saved with a policy; None for a file written before specs were saved."""
+    if "context_json" not in data:
+        return None
+    try:
+        spec = json.loads(str(data["context_json"]))
+    except json.JSONDecodeError:
+        raise PolicyFileError("the policy file's context spec is not valid JSON; retrain it") from None
+    if not isinstance(spec, dict):
+        raise PolicyFileError("the policy file's context spec is not an object; retrain it")
+    return spec

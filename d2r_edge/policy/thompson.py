@@ -8,7 +8,15 @@ from pathlib import Path
 import numpy as np
 
 from d2r_edge.errors import PolicyError
-from d2r_edge.policy.state import check_allowed, check_arm, check_reward, load_npz, save_npz
+from d2r_edge.policy.state import (
+    check_allowed,
+    check_arm,
+    check_reward,
+    context_arrays,
+    context_from,
+    load_npz,
+    save_npz,
+)
 
 KIND = "thompson"
 
@@ -29,6 +37,7 @@ class ThompsonSampling:
         self.successes = np.ones(n_arms)
         self.failures = np.ones(n_arms)
         self.rng = np.random.default_rng(seed)
+        self.context: dict | None = None     # ContextBuilder.spec (x is ignored, kept for the record)
 
     def scores(self, x=None, allowed=None, key: str | None = None) -> np.ndarray:
         """One posterior draw per arm; -inf where not allowed. `x` is ignored.
@@ -70,6 +79,7 @@ class ThompsonSampling:
             # the generator's state, so a resumed run draws what an uninterrupted one would
             "rng_state": np.array(repr(self.rng.bit_generator.state["state"]["state"])),
             "rng_inc": np.array(repr(self.rng.bit_generator.state["state"]["inc"])),
+            **context_arrays(self.context),
         })
 
     @classmethod
@@ -86,4 +96,5 @@ class ThompsonSampling:
         state = ts.rng.bit_generator.state
         state["state"] = {"state": int(str(z["rng_state"])), "inc": int(str(z["rng_inc"]))}
         ts.rng.bit_generator.state = state
+        ts.context = context_from(z)
         return ts

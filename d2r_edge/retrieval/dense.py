@@ -40,25 +40,50 @@ def exact_top_k(vectors: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.nd
 
 
 class DenseIndex:
-    """HNSW over the KB's chunk embeddings; exact search under `exact_below_chunks`."""
+    """HNSW over the KB's chunk embeddings; exact search under `exact_below_chunks`.
+
+    Vectors live in a buffer that grows by doubling, so appending (a refresh) costs the new
+    rows, not a copy of the KB. Searches may run from several threads while nothing is added.
+    """
 
     def __init__(self, dim: int, cfg: HNSWConfig = HNSWConfig()) -> None:
         self.dim, self.cfg = dim, cfg
         self.index = None
         self.ef = cfg.ef_construction
-        self.vectors = np.zeros((0, dim), dtype=np.float32)
+        self._buf = np.zeros((0, dim), dtype=np.float32)
+        self._n = 0
 
     @property
     def n(self) -> int:
-        return int(self.vectors.shape[0])
+        return self._n
 
-    def add(self, vectors: np.ndarray) -> None:
-        """Append vectors (ids continue from n); HNSW grows with resize_index."""
+    @property
+    def vectors(self) -> np.ndarray:
+        return self._buf[:self._n]
+
+    @vectors.setter
+    def vectors(self, value: np.ndarray) -> None:
+        self._buf = np.ascontiguousarray(value, dtype=np.float32)
+        self._n = int(self._buf.shape[0])
+
+    def _append(self, vectors: np.ndarray) -> None:
+        need = self._n + vectors.shape[0]
+        if need > self._buf.shape[0]:
+            grown = np.empty((max(need, 2 * self._buf.shape[0], 1024), self.dim), dtype=np.float32)
+            grown[:self._n] = self._buf[:self._n]
+            self._buf = grown
+        self._buf[self._n:need] = vectors
+        self._n = need
+
+    def add(self, vectors: np.ndarray, calibrate: bool = True) -> None:
+        """Append vectors (ids continue from n); HNSW grows with resize_index. `calibrate=False`
+        (a refresh inside a timed repair) keeps the current ef: recalibrating costs probes over
+        the whole index, which the next `KnowledgeBase.open` or compaction does instead."""
         import hnswlib
 
-        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1, self.dim)
         start = self.n
-        self.vectors = np.concatenate([self.vectors, vectors]) if self.n else vectors
+        self._append(vectors)
         if self.n < self.cfg.exact_below_chunks:
             return
         if self.index is None:
@@ -66,12 +91,16 @@ class DenseIndex:
             self.index.init_index(max_elements=max(self.n, 1024), ef_construction=self.cfg.ef_construction,
                                   M=self.cfg.m, random_seed=self.cfg.seed)
             new, ids = self.vectors, np.arange(self.n)
+            calibrate = True                     # a new graph has no ef yet
         else:
             new, ids = vectors, np.arange(start, self.n)
             if self.n > self.index.get_max_elements():
                 self.index.resize_index(max(self.n, int(self.index.get_max_elements() * 1.5)))
         self.index.add_items(new, ids)
-        self.calibrate()
+        if calibrate:
+            self.calibrate()
+        else:
+            self.index.set_ef(self.ef)
 
     def calibrate(self, n_queries: int = 200) -> float:
         """Smallest ef (from 16, doubling) whose recall@10 vs exact reaches the target.
@@ -100,6 +129,7 @@ class DenseIndex:
             if recall >= self.cfg.target_recall_at_10:
                 break
         self.ef = ef
+        self.index.set_ef(ef)
         log.info("HNSW ef=%d reaches recall@10 %.3f on %d calibration probes", ef, recall, m)
         return recall
 
@@ -109,8 +139,9 @@ class DenseIndex:
         if self.index is None:
             return exact_top_k(self.vectors, queries, k)
         k = min(k, self.n)
-        self.index.set_ef(max(self.ef, k))
-        ids, dist = self.index.knn_query(queries, k=k)
+        # ef is set once (calibrate / load), never per call: hnswlib searches with max(ef, k)
+        # itself, and a shared setting changed per call races between threads
+        ids, dist = self.index.knn_query(queries, k=k, num_threads=1)
         return ids.astype(np.int64), (1.0 - dist).astype(np.float32)
 
     def save(self, directory: Path) -> None:
@@ -130,6 +161,8 @@ class DenseIndex:
         path = directory / "hnsw.bin"
         if path.is_file():
             dense.index = hnswlib.Index(space="cosine", dim=dim)
-            dense.index.load_index(str(path), max_elements=dense.n)
+            # headroom, so the refresh arm's first add_items does not pay a resize (a copy of the graph)
+            dense.index.load_index(str(path), max_elements=dense.n + max(1024, dense.n // 10))
             dense.ef = ef
+            dense.index.set_ef(ef)
         return dense

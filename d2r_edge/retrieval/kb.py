@@ -47,6 +47,7 @@ class KBConfig:
     hnsw: HNSWConfig = field(default_factory=HNSWConfig)
     bm25: BM25Config = field(default_factory=BM25Config)
     shard_chunks: int = 1024   # embedding checkpoint granularity of a resumable build
+    compact_after_deltas: int = 8   # `index refresh` folds the delta shards into the base files at this many
 
 
 def embedder_fingerprint(embedder) -> dict:
@@ -117,6 +118,7 @@ class KnowledgeBase:
         self.directory, self.manifest, self.chunks = directory, manifest, chunks
         self.dense, self.bm25, self.cfg = dense, bm25, cfg
         self.doc_ids = {c["doc_id"] for c in chunks}
+        self.session_docs = 0      # documents the refresh arm added in memory in this process
 
     @property
     def version(self) -> int:
@@ -150,6 +152,13 @@ class KnowledgeBase:
             chunks = [json.loads(line) for line in fh]
         dense = DenseIndex.load(directory, manifest["embedder"]["dim"], cfg.hnsw, manifest["hnsw"]["ef"])
         bm25 = BM25Index.load(directory / "bm25.npz")
+        for delta in manifest.get("deltas", []):      # refreshes since the base files were written
+            new_chunks, vectors = _read_delta(directory / DELTAS / delta["name"], delta)
+            chunks += new_chunks
+            dense.add(vectors, calibrate=False)
+            bm25.add([c["embed_text"] for c in new_chunks])
+        if manifest.get("deltas") and dense.index is not None:
+            dense.calibrate()                         # once here, not in the refresh that appended
         if not (len(chunks) == dense.n == bm25.n_docs == manifest["n_chunks"]):
             raise KBError(f"{directory}: chunk counts disagree (chunks {len(chunks)}, vectors "
                           f"{dense.n}, bm25 {bm25.n_docs}); rebuild the KB")
@@ -200,13 +209,17 @@ class KnowledgeBase:
         kb.directory = directory
         return kb
 
+    @staticmethod
+    def input_digest(docs: list[Document]) -> str:
+        """sha256 of the documents a cached KB is built from (what `cached` keys it by)."""
+        return hashlib.sha256(_docs_jsonl(docs).encode()).hexdigest()
+
     @classmethod
     def cached(cls, docs: list[Document], out: Path, embedder) -> "KnowledgeBase":
         """The KB of `docs` under out/kb, rebuilt only when their content changes
         (out/kb-docs.jsonl is the input, out/kb.input-sha256 its hash)."""
         out.mkdir(parents=True, exist_ok=True)
-        text = "".join(json.dumps({"id": d.id, "title": d.title, "text": d.text}, ensure_ascii=False) + "\n"
-                       for d in docs)
+        text = _docs_jsonl(docs)
         digest = hashlib.sha256(text.encode()).hexdigest()
         docs_path, stamp, kb_dir = out / "kb-docs.jsonl", out / "kb.input-sha256", out / "kb"
         if stamp.is_file() and stamp.read_text().strip() == digest and (kb_dir / "manifest.json").is_file():
@@ -264,12 +277,13 @@ class KnowledgeBase:
         return cls(work, manifest, chunks, dense, bm25, cfg)
 
     @staticmethod
-    def _manifest(chunks, fingerprint, cfg, dense: DenseIndex, version, created, n_docs) -> dict:
+    def _manifest(chunks, fingerprint, cfg, dense: DenseIndex, version, created, n_docs,
+                  deltas: list[dict] | None = None) -> dict:
         return {"format_version": KB_FORMAT_VERSION, "kb_version": version, "n_docs": n_docs,
                 "n_chunks": len(chunks), "chunking": asdict(cfg.chunk), "embedder": fingerprint,
                 "hnsw": {**asdict(cfg.hnsw), "ef": dense.ef, "built": dense.index is not None},
                 "bm25": asdict(cfg.bm25), "created_unix_s": int(created),
-                "updated_unix_s": int(time.time())}
+                "updated_unix_s": int(time.time()), "deltas": list(deltas or [])}
 
     # --- incremental -------------------------------------------------------------
     def queue(self, docs_path: Path | str) -> int:
@@ -288,48 +302,90 @@ class KnowledgeBase:
         with open(path, encoding="utf-8") as fh:
             return {str(json.loads(line)["id"]) for line in fh if line.strip()}
 
-    def refresh(self, embedder, extra: list[Document] | None = None) -> int:
-        """Ingest the queue (and `extra` documents) incrementally; bumps the version.
+    def refresh(self, embedder, extra: list[Document] | None = None, persist: bool = False) -> int:
+        """Ingest the queue (and `extra` documents), append-only; returns the documents added.
 
-        Returns the number of documents added. HNSW grows with add_items after
-        a resize, BM25 appends postings; nothing is re-embedded.
+        Only the new documents are chunked, embedded and indexed (HNSW add_items without
+        recalibration, one new BM25 segment): the cost does not grow with the KB.
+        `persist=False` (the refresh arm inside `run`/`train`): in memory only; the KB on
+        disk is never changed by a run, `session_docs` counts what this process added, and
+        records name the KB version with it. `persist=True` (`d2r-edge index refresh`):
+        the new chunks are written as a delta shard, then the manifest is replaced with the
+        version bumped, then memory follows; a crash leaves the old KB or the new one.
         """
         queue_path = self.directory / "queue.jsonl"
         docs = list(extra or [])
         if queue_path.is_file():
-            docs += read_documents(queue_path, known_ids=self.doc_ids).documents
-        docs = [d for d in docs if d.id not in self.doc_ids]
+            docs += read_documents(queue_path).documents   # (validated against the KB when queued)
+        docs = list({d.id: d for d in docs if d.id not in self.doc_ids}.values())   # in memory already: skip
         if not docs:
             return 0
+        if persist and self.session_docs:
+            raise KBError(f"{self.directory}: this process added {self.session_docs} document(s) in memory; "
+                          f"open the KB again to persist a refresh")
         if embedder_fingerprint(embedder) != self.manifest["embedder"]:
             raise KBModelMismatchError(f"{self.directory}: refresh with another embedder; rebuild instead")
-        chunker = Chunker(embedder.tokenizer, self.cfg.chunk)
-        new_chunks = _chunk_docs(docs, chunker, len(self.chunks))
+        new_chunks = _chunk_docs(docs, Chunker(embedder.tokenizer, self.cfg.chunk), len(self.chunks))
         vectors = _embed_rows(embedder, new_chunks)
-        work = self.directory.with_name(self.directory.name + ".refresh")
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir()
-        shutil.copyfile(self.directory / "chunks.jsonl", work / "chunks.jsonl")
-        _write_jsonl(work / "chunks.jsonl", new_chunks, mode="a")
-        shutil.copyfile(self.directory / "docs.jsonl", work / "docs.jsonl")
-        _write_jsonl(work / "docs.jsonl", ({"id": d.id, "title": d.title, **d.metadata} for d in docs),
-                     mode="a")
-        self.dense.add(vectors)
+        if persist:
+            self._persist_delta(docs, new_chunks, vectors)
+        else:
+            self.session_docs += len(docs)
+        self.dense.add(vectors, calibrate=False)
         self.bm25.add([c["embed_text"] for c in new_chunks])
-        self.dense.save(work)
-        self.bm25.save(work / "bm25.npz")
         self.chunks += new_chunks
         self.doc_ids |= {d.id for d in docs}
-        self.manifest = self._manifest(self.chunks, self.manifest["embedder"], self.cfg, self.dense,
-                                       self.version + 1, self.manifest["created_unix_s"],
-                                       n_docs=len(self.doc_ids))
-        _write_json(work / MANIFEST, self.manifest)
-        _swap_in(work, self.directory)   # the queue file stays behind in the old dir: consumed
         return len(docs)
+
+    def _persist_delta(self, docs: list[Document], chunks: list[dict], vectors: np.ndarray) -> None:
+        version = self.version + 1
+        entry = {"name": f"{version:06d}", "kb_version": version, "n_chunks": len(chunks), "n_docs": len(docs)}
+        final = self.directory / DELTAS / entry["name"]
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)      # left by a crash before its manifest was written
+        tmp.mkdir(parents=True)
+        _write_jsonl(tmp / "chunks.jsonl", chunks)
+        _write_jsonl(tmp / "docs.jsonl", ({"id": d.id, "title": d.title, **d.metadata} for d in docs))
+        np.save(tmp / "embeddings.npy", np.asarray(vectors, dtype=np.float32))
+        os.replace(tmp, final)
+        m = dict(self.manifest)
+        m.update(kb_version=version, n_chunks=len(self.chunks) + len(chunks),
+                 n_docs=len(self.doc_ids | {d.id for d in docs}), updated_unix_s=int(time.time()),
+                 deltas=list(self.manifest.get("deltas", [])) + [entry])
+        _write_json(self.directory / MANIFEST, m)    # the commit point
+        self.manifest = m
+        (self.directory / "queue.jsonl").unlink(missing_ok=True)   # consumed (known ids are skipped anyway)
+
+    def compact(self) -> None:
+        """Fold the delta shards into the base files (off the hot path: `index refresh`)."""
+        if not self.manifest.get("deltas"):
+            return
+        if self.session_docs:
+            raise KBError(f"{self.directory}: documents were added in memory; open the KB again to compact it")
+        self.dense.calibrate()
+        work = self.directory.with_name(self.directory.name + ".compact")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        for entry in self.directory.iterdir():        # the KG store, the queue: carried over as they are
+            if entry.name not in _BASE_FILES and entry.name != DELTAS:
+                (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, work / entry.name)
+        _write_jsonl(work / "chunks.jsonl", self.chunks)
+        with open(work / "docs.jsonl", "w", encoding="utf-8") as out:
+            out.write((self.directory / "docs.jsonl").read_text(encoding="utf-8"))
+            for delta in self.manifest["deltas"]:
+                out.write((self.directory / DELTAS / delta["name"] / "docs.jsonl").read_text(encoding="utf-8"))
+        self.dense.save(work)
+        self.bm25.save(work / "bm25.npz")
+        self.manifest = self._manifest(self.chunks, self.manifest["embedder"], self.cfg, self.dense,
+                                       self.version, self.manifest["created_unix_s"], n_docs=len(self.doc_ids))
+        _write_json(work / MANIFEST, self.manifest)
+        _swap_in(work, self.directory)
 
     def stats(self) -> dict:
         m = self.manifest
         return {"kb_version": m["kb_version"], "n_docs": m["n_docs"], "n_chunks": m["n_chunks"],
+                "delta_shards": len(m.get("deltas", [])), "docs_added_in_memory": self.session_docs,
                 "queued": len(self._queued_ids()), "embedder": m["embedder"]["source"],
                 "variant": m["embedder"]["variant"], "hnsw_ef": m["hnsw"]["ef"],
                 "hnsw_built": m["hnsw"]["built"], "chunking": m["chunking"]}
@@ -352,3 +408,25 @@ class PoolRefresh:
         out = self.pool[self.next:self.next + self.n]
         self.next += len(out)
         return out
+
+
+DELTAS = "deltas"
+_BASE_FILES = {MANIFEST, "chunks.jsonl", "docs.jsonl", "embeddings.npy", "hnsw.bin", "bm25.npz"}
+
+
+def _read_delta(path: Path, entry: dict) -> tuple[list[dict], np.ndarray]:
+    try:
+        with open(path / "chunks.jsonl", encoding="utf-8") as fh:
+            chunks = [json.loads(line) for line in fh]
+        vectors = np.load(path / "embeddings.npy", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise KBError(f"cannot read the KB's delta shard {path} ({exc}); rebuild the KB") from None
+    if not len(chunks) == vectors.shape[0] == entry["n_chunks"]:
+        raise KBError(f"{path}: {len(chunks)} chunks and {vectors.shape[0]} vectors, the manifest says "
+                      f"{entry['n_chunks']}; rebuild the KB")
+    return chunks, vectors
+
+
+def _docs_jsonl(docs: list[Document]) -> str:
+    return "".join(json.dumps({"id": d.id, "title": d.title, "text": d.text}, ensure_ascii=False) + "\n"
+                   for d in docs)
