@@ -167,6 +167,46 @@ def test_refresh_vs_rebuild(benchmark, record, embedder, tmp_path_factory, how):
     record(f"kb-{how}")
 
 
+def _in_memory_kb(embedder, n: int, tmp: Path):
+    """A KB of n chunks built in memory (clustered synthetic vectors, real texts for BM25)."""
+    from d2r_edge.retrieval.kb import KBConfig, KnowledgeBase, embedder_fingerprint
+
+    cfg = KBConfig(hnsw=HNSWConfig(m=16, ef_construction=100, exact_below_chunks=500))
+    rng = np.random.default_rng(n)
+    centers = rng.normal(size=(64, embedder.dim)).astype(np.float32)
+    vecs = centers[rng.integers(64, size=n)] + 0.3 * rng.normal(size=(n, embedder.dim)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    texts = _corpus(n)
+    dense, bm25 = DenseIndex(embedder.dim, cfg.hnsw), BM25Index(cfg.bm25)
+    dense.add(vecs)
+    bm25.add(texts)
+    chunks = [{"chunk_id": i, "doc_id": f"d{i}", "index": 0, "title": "", "text": t, "start_char": 0,
+               "end_char": len(t), "embed_text": t} for i, t in enumerate(texts)]
+    manifest = {"kb_version": 1, "embedder": embedder_fingerprint(embedder)}
+    return KnowledgeBase(tmp, manifest, chunks, dense, bm25, cfg)
+
+
+@pytest.mark.benchmark(group="refresh-arm")
+@pytest.mark.parametrize("n", [1_000, 16_000])
+def test_refresh_arm_cost_by_kb_size(benchmark, record, embedder, tmp_path, n):
+    """The refresh arm (20 new documents, in memory) on a 1k- and a 16k-chunk KB: it costs the new
+    documents (chunk, embed, HNSW add_items, one BM25 segment), not a rewrite of the KB."""
+    from d2r_edge.retrieval.docs import Document
+
+    kb = _in_memory_kb(embedder, n, tmp_path)
+    texts = _texts()
+    batches = iter([[Document(f"new{r}-{i}", "", texts[(r * 20 + i) % len(texts)][:400]) for i in range(20)]
+                    for r in range(100)])
+    added = benchmark.pedantic(kb.refresh, setup=lambda: ((embedder,), {"extra": next(batches)}),
+                               rounds=7, warmup_rounds=1)
+    assert added == 20 and kb.session_docs == 20 * 8 and not list(tmp_path.iterdir())   # nothing written
+    record(f"refresh-arm-{n}")
+
+
+def test_refresh_arm_does_not_grow_with_the_kb():
+    assert ratio_or_skip("refresh-arm-16000", "refresh-arm-1000") <= 1.5
+
+
 def test_retrieval_targets_10k():
     # serving BM25 from the inverted index instead of rank-bm25 must pay off
     assert ratio_or_skip("bm25-rank-bm25-10000", "bm25-ours-10000") >= 10

@@ -12,6 +12,7 @@ from d2r_edge.budget import CostModel, MemoryProbe, Meter
 from d2r_edge.config import Budget, ContextConfig, ExplorationConfig, RewardConfig
 from d2r_edge.diagnose import Diagnoser
 from d2r_edge.errors import ConfigError, PolicyFileError
+from d2r_edge.generate.registry import Encoders, build_generator
 from d2r_edge.hypothesis import HypothesisForm
 from d2r_edge.kg.check import KGChecker
 from d2r_edge.kg.store import KG_DIR, TripleStore
@@ -130,16 +131,7 @@ def build_pipeline(s: RunSettings) -> Pipeline:
             log.warning("%s has no triple store: every response triple will be MISSING "
                         "(run d2r-edge index kg --kb %s)", kb.directory, kb.directory)
     kg = KGChecker(store, extractor, embedder, s.task.kg_thresholds)
-    if s.generator == "extractive":
-        from d2r_edge.generate import Extractive
-
-        generator = Extractive(nli, reranker, embedder)
-    elif s.generator == "openai":
-        from d2r_edge.generate import OpenAICompatible
-
-        generator = OpenAICompatible(s.base_url, s.model, api_key_env=s.api_key_env, timeout_s=s.timeout_s)
-    else:
-        raise ConfigError(f"--generator must be extractive or openai, got {s.generator!r}")
+    generator = build_generator(s.generator, s, Encoders(nli, reranker, embedder))
     context = context_builder(embedder, s)
     policy, costs = load_policy(s, context)
     pool = None

@@ -188,9 +188,13 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
                      test_offset=args.test_offset,
                      split=Split(args.split), methods=methods, extra_docs=tuple(map(Path, args.extra_docs)),
                      run=run, epochs=args.epochs, bootstrap_resamples=args.bootstrap,
-                     generation_cache=Path(args.generation_cache) if args.generation_cache else None,
-                     ray=_ray_config(args) if args.engine == "ray" else None)
-    evaluate(s)
+                     generation_cache=Path(args.generation_cache) if args.generation_cache else None)
+    attempts = None                     # where the attempts run is the caller's choice (this process)
+    if args.engine == "ray":
+        from d2r_edge.engine.ray_eval import RayAttempts
+
+        attempts = RayAttempts(_ray_config(args))
+    evaluate(s, attempts)
     print((out / "report.md").read_text(encoding="utf-8"))
     print(f"report: {out / 'report.md'}; machine-readable: {out / 'summary.json'}")
     return 0
@@ -295,7 +299,10 @@ def _ray_config(args: argparse.Namespace):
 
 
 def _generator_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--generator", default="extractive", choices=["extractive", "openai"])
+    from d2r_edge.generate.registry import GENERATORS
+
+    p.add_argument("--generator", default="extractive", choices=list(GENERATORS),
+                   help="; ".join(f"{g.name}: {g.help}" for g in GENERATORS.values()))
     p.add_argument("--base-url", default="http://127.0.0.1:8080/v1", help="OpenAI-compatible server")
     p.add_argument("--model", default="local", help="model name sent to the server")
     p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")

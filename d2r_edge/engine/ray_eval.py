@@ -48,29 +48,36 @@ class OutcomeWorker(PoolWorker):
         return rows
 
 
-def compute_on_pool(run, s, todo: list[tuple[str, bool]], ctx) -> None:
-    """Compute `todo` (query text, every arm?) on the pool; store what comes back as it arrives."""
-    from tqdm import tqdm
+class RayAttempts:
+    """An `eval.answers.AttemptComputer` on a Ray actor pool; the CLI hands it to `evaluate`."""
 
-    cfg = s.ray
-    stored = len(ctx.store)
-    # what the store already answers is not sent: a resumed evaluation only ships the rest
-    todo = [(t, a) for t, a in todo if a or not ctx.store.has(t, ctx.pipeline.default, metered=False)]
-    batches = [todo[i:i + cfg.batch_queries] for i in range(0, len(todo), cfg.batch_queries)]
-    if not batches:
-        return
-    connect(cfg)
-    pool = ActorPool(OutcomeWorker, (run, s.task, s.out, s.generation_cache, run_files(run), cfg.worker_setup), cfg)
-    try:  # (a pool that fails to start has shut its actors down itself)
-        with tqdm(total=len(todo), desc=f"attempts ({cfg.workers} Ray workers)", disable=None) as bar:
-            for b, rows in pool.map_unordered(batches):
-                for row in rows["generations"]:
-                    ctx.generator.add(row)
-                for row in rows["attempts"]:
-                    ctx.store.add(row)
-                ctx.generator.calls += rows["generator_calls"]
-                bar.update(len(batches[b]))
-    finally:
-        pool.shutdown()
-    log.info("Ray pool: %d new stored attempts from %d batches (%d workers replaced)",
-             len(ctx.store) - stored, len(batches), pool.replaced)
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg        # engine.RayConfig
+
+    def __call__(self, run, s, todo: list[tuple[str, bool]], ctx) -> None:
+        """Compute `todo` (query text, every arm?) on the pool; store what comes back as it arrives."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        stored = len(ctx.store)
+        # what the store already answers is not sent: a resumed evaluation only ships the rest
+        todo = [(t, a) for t, a in todo if a or not ctx.store.has(t, ctx.pipeline.default, metered=False)]
+        batches = [todo[i:i + cfg.batch_queries] for i in range(0, len(todo), cfg.batch_queries)]
+        if not batches:
+            return
+        connect(cfg)
+        pool = ActorPool(OutcomeWorker, (run, s.task, s.out, s.generation_cache, run_files(run), cfg.worker_setup),
+                         cfg)
+        try:  # (a pool that fails to start has shut its actors down itself)
+            with tqdm(total=len(todo), desc=f"attempts ({cfg.workers} Ray workers)", disable=None) as bar:
+                for b, rows in pool.map_unordered(batches):
+                    for row in rows["generations"]:
+                        ctx.generator.add(row)
+                    for row in rows["attempts"]:
+                        ctx.store.add(row)
+                    ctx.generator.calls += rows["generator_calls"]
+                    bar.update(len(batches[b]))
+        finally:
+            pool.shutdown()
+        log.info("Ray pool: %d new stored attempts from %d batches (%d workers replaced)",
+                 len(ctx.store) - stored, len(batches), pool.replaced)

@@ -17,106 +17,33 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-from d2r_edge.config import RewardConfig
 from d2r_edge.errors import InputError
-from d2r_edge.eval.metrics import exact_match, fever_label, token_f1
+from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, Context, EvalSettings, Method, PolicySpec, parse_methods
+from d2r_edge.eval.methods import best_fixed_arm, run_method
 from d2r_edge.eval.outcomes import AttemptStore, CachedGenerator
 from d2r_edge.eval.querysets import EvalQuery, QuerySet, load_queryset
+from d2r_edge.eval.report import write_report
 from d2r_edge.eval.split import Split
 from d2r_edge.repair import ARM_NAMES, ARMS
 from d2r_edge.retrieval.retriever import Retriever
 from d2r_edge.signals import Entailment, FailureType
 from d2r_edge.tasks import Task
 
+# re-exported: the CLI and callers build settings and parse methods from here
+__all__ = ["Context", "EvalQuery", "EvalSettings", "FIXED_ARMS", "Method", "POLICY_METHODS", "PolicySpec",
+           "evaluate", "load_splits", "open_context", "parse_methods"]
+
+# (query text, compute every allowed arm of a failing query?) pairs -> stored attempts; the caller
+# picks where they run (this process by default, or engine.ray_eval.RayAttempts)
+AttemptComputer = Callable[[object, EvalSettings, list[tuple[str, bool]], Context], None]
+
 log = logging.getLogger(__name__)
-
-
-class Method(str, Enum):
-    NAIVE = "naive"
-    PARAPHRASE = "paraphrase"
-    EXPANSION = "expansion"
-    BEST_FIXED = "best_fixed"
-    LINUCB = "linucb"
-    THOMPSON = "thompson"
-    ORACLE = "oracle"
-    LINUCB_UNWEIGHTED = "linucb_unweighted"
-    LINUCB_UNCONSTRAINED = "linucb_unconstrained"
-    LINUCB_STRINGENT = "linucb_stringent"
-    LINUCB_RELAXED = "linucb_relaxed"
-
-
-@dataclass(frozen=True)
-class PolicySpec:
-    kind: str
-    reward: RewardConfig = RewardConfig()
-    budget_factor: float = 1.0             # x the run's budget (paper: stringent 0.7, relaxed 1.5)
-
-
-POLICY_METHODS = {
-    Method.LINUCB: PolicySpec("linucb"),
-    Method.THOMPSON: PolicySpec("thompson"),
-    Method.LINUCB_UNWEIGHTED: PolicySpec("linucb", RewardConfig(cost_weighting=False)),
-    Method.LINUCB_UNCONSTRAINED: PolicySpec("linucb", RewardConfig(gates=False)),
-    Method.LINUCB_STRINGENT: PolicySpec("linucb", budget_factor=0.7),
-    Method.LINUCB_RELAXED: PolicySpec("linucb", budget_factor=1.5),
-}
-FIXED_ARMS = {Method.PARAPHRASE: "prompt_paraphrase", Method.EXPANSION: "dense_k20"}
-
-
-def parse_methods(text: str | None) -> tuple[Method, ...]:
-    if not text:
-        return tuple(Method)
-    out = []
-    for name in (t.strip() for t in text.split(",") if t.strip()):
-        try:
-            out.append(Method(name))
-        except ValueError:
-            raise InputError(f"unknown method {name!r}; choose from {', '.join(m.value for m in Method)}") from None
-    if not out:
-        raise InputError("--methods is empty; give a comma-separated list or leave it out for all")
-    return tuple(dict.fromkeys(out))
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    task: Task
-    train: tuple[Path, ...]
-    test: tuple[Path, ...]
-    models: Path
-    out: Path
-    train_limit: int | None = None
-    test_limit: int | None = None
-    test_offset: int = 0                   # skip the first N test queries (their documents stay in the KB)
-    split: Split = Split.HELDOUT
-    methods: tuple[Method, ...] = tuple(Method)
-    extra_docs: tuple[Path, ...] = ()
-    run: object = None                     # app.RunSettings template: generator, budgets, seed, models
-    epochs: int = 2
-    bootstrap_resamples: int = 10_000
-    generation_cache: Path | None = None   # default OUT/generations.jsonl; share it between evaluations
-    ray: object = None                     # engine.RayConfig: first attempts and arms on a Ray actor pool
-
-    def __post_init__(self) -> None:
-        if not self.train or not self.test:
-            raise InputError("eval answers needs at least one --train and one --test file")
-        for name in ("train_limit", "test_limit"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise InputError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.test_offset, int) or self.test_offset < 0:
-            raise InputError(f"--test-offset must be an integer >= 0, got {self.test_offset!r}")
-        if not isinstance(self.epochs, int) or self.epochs < 1:
-            raise InputError(f"--epochs must be an integer >= 1, got {self.epochs!r}")
-        if not isinstance(self.bootstrap_resamples, int) or self.bootstrap_resamples < 100:
-            raise InputError(f"--bootstrap must be an integer >= 100, got {self.bootstrap_resamples!r}")
-        if self.run is None:
-            raise InputError("EvalSettings.run must be a RunSettings (generator, budgets, seed)")
 
 
 # --- queries and the knowledge base ---------------------------------------------------
@@ -189,39 +116,6 @@ class _MemoRetriever(Retriever):
         return v
 
 
-@dataclass
-class Context:
-    """What the methods share: the base pipeline (memo, cached generator) and the queries."""
-
-    settings: EvalSettings
-    pipeline: object
-    store: AttemptStore
-    generator: CachedGenerator
-    train: list[EvalQuery]
-    test: list[EvalQuery]
-    kb_stats: dict = field(default_factory=dict)
-
-    def first(self, q: EvalQuery):
-        return self.pipeline.metered_attempt(q.text, self.pipeline.default, metered=False)[0]
-
-    def arm_outcome(self, q: EvalQuery, arm: int):
-        return self.pipeline.metered_attempt(q.text, ARMS[arm].apply(self.pipeline.default))
-
-    def allowed(self, first) -> np.ndarray:
-        """The UNVERIFIED rule and the arms the loaded models can run (Pipeline.allowed)."""
-        return self.pipeline.allowed(first.diagnosis)
-
-    def answer(self, attempt) -> str:
-        return self.pipeline.answer(attempt)
-
-    def score(self, q: EvalQuery, answer: str) -> tuple[float, float]:
-        """(correct, F1): FEVER 3-way label match twice, QA SQuAD EM and token F1."""
-        if self.settings.task.fact_verification:
-            ok = float(fever_label(answer) == fever_label(q.label))
-            return ok, ok
-        return exact_match(answer, q.answers), token_f1(answer, q.answers)
-
-
 def _form(run) -> str:
     return str(getattr(run.qa_hypothesis, "value", run.qa_hypothesis))
 
@@ -292,9 +186,18 @@ def compute_outcomes(p, text: str, every_arm: bool) -> None:
         p.metered_attempt(text, ARMS[int(arm)].apply(p.default))
 
 
-def open_context(s: EvalSettings) -> Context:
+def compute_locally(run, s: EvalSettings, todo: list[tuple[str, bool]], ctx: Context) -> None:
+    """The default AttemptComputer: every (query, every arm?) in this process, into the store."""
     from tqdm import tqdm
 
+    for text, all_arms in tqdm(todo, desc="first attempts + every allowed arm of failing queries", disable=None):
+        compute_outcomes(ctx.pipeline, text, all_arms)
+
+
+def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Context:
+    """Queries, KB, the shared pipeline and every attempt the methods will read. `attempts`
+    computes them elsewhere (a Ray pool, chosen by the caller); it then also computes every
+    test query's arms, so no method's test pass computes anything here."""
     from d2r_edge.onnx.encoders import Embedder
     from d2r_edge.onnx.manifest import load_manifest
     from d2r_edge.retrieval.kb import KnowledgeBase
@@ -310,30 +213,20 @@ def open_context(s: EvalSettings) -> Context:
                   [q for qs in test_sets for q in qs.queries], kb.stats())
     # every allowed arm of a failing query: on the test queries for the oracle and the arm
     # table, on the training queries for best_fixed; the policies pick among the same outcomes.
-    # On Ray every test query's arms are computed by the pool, so no method's test pass runs here.
-    every_arm = {q.id for q in ctx.test} if Method.ORACLE in s.methods or s.ray is not None else set()
+    every_arm = {q.id for q in ctx.test} if Method.ORACLE in s.methods or attempts is not None else set()
     if Method.BEST_FIXED in s.methods:
         every_arm |= {q.id for q in ctx.train}
     todo = [(q.text, q.id in every_arm) for q in ctx.train + ctx.test]
-    if s.ray is not None:
-        from d2r_edge.engine.ray_eval import compute_on_pool
-
-        compute_on_pool(run, s, todo, ctx)
-    else:
-        for text, all_arms in tqdm(todo, desc="first attempts + every allowed arm of failing queries",
-                                   disable=None):
-            compute_outcomes(p, text, all_arms)
+    (attempts or compute_locally)(run, s, todo, ctx)
     log.info("outcomes: %d stored attempts (%d generator calls, %d served from cache)",
              len(store), gen.calls, gen.hits)
     return ctx
 
 
-def evaluate(s: EvalSettings) -> dict:
-    """Every method on the test queries, then report.md / summary.json / figures under `s.out`."""
-    from d2r_edge.eval.methods import best_fixed_arm, run_method
-    from d2r_edge.eval.report import write_report
-
-    ctx = open_context(s)
+def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
+    """Every method on the test queries, then report.md / summary.json / figures under `s.out`.
+    `attempts`: where the attempts are computed (default: this process)."""
+    ctx = open_context(s, attempts)
     try:
         records = {m.value: run_method(ctx, m) for m in s.methods}
         run = ctx.settings.run

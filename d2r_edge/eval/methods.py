@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 
 from d2r_edge.config import Budget
-from d2r_edge.eval.answers import FIXED_ARMS, POLICY_METHODS, Context, EvalQuery, Method
+from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, Context, EvalQuery, Method
 from d2r_edge.repair import ARM_NAMES, ARMS
 from d2r_edge.runner import RecordLog
 from d2r_edge.signals import Entailment, FailureType
