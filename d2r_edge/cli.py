@@ -311,7 +311,7 @@ def _generator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-mem-mib", type=float, default=6.0, help="per repair action (paper: 6 MB)")
     p.add_argument("--budget-preset", choices=["paper", "stringent", "relaxed"], default=None)
     p.add_argument("--qa-hypothesis", default="statement", choices=["bare", "question_answer", "statement"],
-                   help="QA: how a short answer becomes the NLI hypothesis of e_r (see README)")
+                   help="QA: how a short answer becomes the NLI hypothesis of e_r (see docs/results.md)")
     p.add_argument("--bare-passages", action="store_true",
                    help="give the generator and the NLI passage text without its title (default: "
                         "'title\\ntext', the form the offline models are fine-tuned on)")

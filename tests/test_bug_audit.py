@@ -343,10 +343,11 @@ def test_linucb_select_from_threads_matches_sequential():
     pol = LinUCB(12, 40, 1.0)
     for _ in range(200):
         pol.update(int(rng.integers(12)), rng.normal(size=40), float(rng.random()))
-    xs = rng.normal(size=(400, 40))
+    xs = rng.normal(size=(5000, 40))      # the shared-scratch race hit ~1 select in 1,000 here
     want = [pol.select(x) for x in xs]
     with ThreadPoolExecutor(8) as pool:
-        assert list(pool.map(pol.select, xs)) == want
+        got = list(pool.map(pol.select, xs))
+    assert sum(a != b for a, b in zip(got, want)) == 0
 
 
 # --- also seen -------------------------------------------------------------------------------

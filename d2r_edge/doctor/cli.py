@@ -101,8 +101,9 @@ def add_doctor_parser(sub, model_args) -> None:
     dr = p.add_subparsers(dest="what", required=True)
     p = dr.add_parser("diagnose", help="error type and earliest failing step of each failed trajectory "
                                        "(no LLM: the NLI and rules)")
-    p.add_argument("--trajectories", required=True, help="JSONL trajectories (ReAct-FEVER, Reflexion, "
-                                                         "FireAct, or the jsonl layout in the README)")
+    p.add_argument("--trajectories", required=True,
+                   help="JSONL trajectories (ReAct-FEVER, Reflexion, FireAct, or the jsonl layout in "
+                        "docs/results.md, Trajectory mode)")
     p.add_argument("--format", default="auto", choices=FORMATS)
     p.add_argument("--out", required=True, help="JSONL, one record per failed trajectory; resumable")
     p.add_argument("--limit", type=int, default=None, help="only the first N failed trajectories")
