@@ -43,3 +43,34 @@ def profile_without(models: Path, out: Path, roles: dict[str, str]) -> Path:
             dst.symlink_to(src.resolve(), target_is_directory=True)
     (out / "manifest.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
     return out
+
+
+class HashNLI:
+    """Replaces a loaded NLI: same labels, `hash_nli_scores` outputs (failures and repairs occur)."""
+
+    def __init__(self, real):
+        self.labels = real.labels
+
+    def score(self, pairs):
+        return hash_nli_scores(pairs)
+
+
+def fever_world(tmp: Path, models: Path, shared_data: Path, n_docs: int, n_queries: int) -> tuple[Path, Path]:
+    """A KB of the first `n_docs` FEVER dev evidence documents (the models' embedder) and a query
+    file of the first `n_queries` claims with their labels: (kb directory, queries file)."""
+    import json
+
+    from d2r_edge.eval.datasets import fever_evidence, write_docs
+    from d2r_edge.onnx.encoders import Embedder
+    from d2r_edge.onnx.manifest import load_manifest
+    from d2r_edge.retrieval.kb import KnowledgeBase
+
+    docs, _ = fever_evidence(shared_data / "fever" / "dev.jsonl", limit=n_docs)
+    kb = tmp / "kb"
+    KnowledgeBase.build(write_docs(docs, tmp / "docs.jsonl"), kb, Embedder(load_manifest(models)))
+    queries = tmp / "q.jsonl"
+    with open(queries, "w") as fh:
+        for line in (shared_data / "fever" / "dev.jsonl").read_text().splitlines()[:n_queries]:
+            row = json.loads(line)
+            fh.write(json.dumps({"id": row["id"], "claim": row["question"], "label": row["label"]}) + "\n")
+    return kb, queries

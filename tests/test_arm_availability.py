@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from stand_ins import hash_nli_scores, profile_without
+from stand_ins import HashNLI, fever_world, hash_nli_scores, profile_without
 
 from d2r_edge.onnx.manifest import Role
 from d2r_edge.repair import ARM_NAMES, arm_availability
@@ -16,30 +16,10 @@ RERANK = ARM_NAMES.index("rerank")
 NO_RERANKER = {"reranker": "the quick build trains no reranker; rerank arms are off"}
 
 
-class HashNLI:
-    def __init__(self, real):
-        self.labels = real.labels
-
-    def score(self, pairs):
-        return hash_nli_scores(pairs)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_models, shared_data):
-    from d2r_edge.eval.datasets import fever_evidence, write_docs
-    from d2r_edge.onnx.encoders import Embedder
-    from d2r_edge.onnx.manifest import load_manifest
-    from d2r_edge.retrieval.kb import KnowledgeBase
-
     tmp = tmp_path_factory.mktemp("arms")
-    docs, _ = fever_evidence(shared_data / "fever" / "dev.jsonl", limit=120)
-    kb = tmp / "kb"
-    KnowledgeBase.build(write_docs(docs, tmp / "docs.jsonl"), kb, Embedder(load_manifest(tiny_models)))
-    queries = tmp / "q.jsonl"
-    with open(queries, "w") as fh:
-        for line in (shared_data / "fever" / "dev.jsonl").read_text().splitlines()[:24]:
-            row = json.loads(line)
-            fh.write(json.dumps({"id": row["id"], "claim": row["question"], "label": row["label"]}) + "\n")
+    kb, queries = fever_world(tmp, tiny_models, shared_data, n_docs=120, n_queries=24)
     return {"kb": kb, "queries": queries,
             "no_reranker": profile_without(tiny_models, tmp / "no-reranker", NO_RERANKER),
             "no_triples": profile_without(tiny_models, tmp / "no-triples", {"triples": "no REBEL offline"})}

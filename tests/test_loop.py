@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from stand_ins import hash_nli_scores
+from stand_ins import HashNLI  # (subprocess scripts below import it from here)
 
 from d2r_edge.app import RunSettings, build_pipeline, train
 from d2r_edge.eval.datasets import fever_evidence, paragraphs, write_docs
@@ -25,16 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 REQUIRED = {"id", "query", "task", "first", "failure", "repair", "final", "first_answer",
             "final_answer", "first_correct", "final_correct", "total_s", "error"}
-
-
-class HashNLI:
-    """Deterministic, varied NLI so every failure type and the repair path occur."""
-
-    def __init__(self, real):
-        self.labels = real.labels
-
-    def score(self, pairs):
-        return hash_nli_scores(pairs)
 
 
 @pytest.fixture(scope="module")
