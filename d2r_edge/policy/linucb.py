@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -190,6 +191,7 @@ class LinUCB:
         self.counts = np.zeros(n_arms, dtype=np.int64)
         self._since_reinvert = np.zeros(n_arms, dtype=np.int64)
         self.context: dict | None = None     # ContextBuilder.spec of the contexts it learns from
+        self._local = threading.local()
 
     @property
     def alpha(self) -> float:
@@ -208,8 +210,15 @@ class LinUCB:
         the choice is a function of `x` alone)."""
         x = check_x(x, self.dim)
         mask = check_allowed(allowed, self.n_arms)
-        return int(_ucb_select(self.A_inv, self._a_inv32, self.theta, x, float(self.alpha), mask,
-                               np.empty(self.n_arms), np.empty(self.n_arms)))   # scratch per call: thread-safe
+        lo, hi = self._scratch()
+        return int(_ucb_select(self.A_inv, self._a_inv32, self.theta, x, float(self.alpha), mask, lo, hi))
+
+    def _scratch(self) -> tuple[np.ndarray, np.ndarray]:
+        """select's scratch, one pair per thread: the kernel releases the GIL, so a shared pair raced."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = (np.empty(self.n_arms), np.empty(self.n_arms))
+        return bufs
 
     def update(self, arm: int, x: np.ndarray, reward: float) -> None:
         """Eq. 3 for the played arm only, by a rank-one Sherman–Morrison update."""
