@@ -125,19 +125,19 @@ class RecordLog:
 
     def rewrite(self, records: list[dict]) -> None:
         """Replace the file's records atomically (compaction); appends then continue on the new file."""
-        fh = getattr(self, "_fh", None)
-        if fh is not None and not fh.closed:
-            fh.close()
+        appending = getattr(self, "_fh", None)
+        if appending is not None and not appending.closed:
+            appending.close()
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with open(tmp, "w", encoding="utf-8") as out:
             for rec in records:
-                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+                out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(tmp, self.path)
         _fsync_dir(self.path.parent)
         self.records = list(records)
-        if fh is not None:
+        if appending is not None:        # (from __init__, the log opens its file itself)
             self._fh = open(self.path, "a", encoding="utf-8")
 
     def append(self, rec: dict) -> None:
