@@ -118,3 +118,8 @@ class EngineError(D2RError):
     """The distributed engine (Ray) cannot start, reach its cluster, or keep its workers alive."""
 
     exit_code = 12
+
+
+# One query's failures that a batch records and goes past (the runner), or that make a repair
+# keep the first answer (the pipeline); anything else is a bug and propagates.
+RECOVERABLE: tuple[type[BaseException], ...] = (D2RError, OSError, ValueError)

@@ -12,7 +12,7 @@ import numpy as np
 from d2r_edge.budget import CostModel, Measurement, Meter
 from d2r_edge.config import Budget, RewardConfig
 from d2r_edge.diagnose import Diagnoser, Diagnosis, Label
-from d2r_edge.errors import D2RError
+from d2r_edge.errors import RECOVERABLE
 from d2r_edge.generate.base import Generation
 from d2r_edge.policy.explore import Explorer
 from d2r_edge.policy.features import ContextBuilder
@@ -137,7 +137,8 @@ class Pipeline:
         first.timings_s["embed_query_s"] = first.timings_s.get("embed_query_s", embed_s)
         rec = {"first": first.summary(), "failure": first.diagnosis.failure.value, "repair": None}
         final = first
-        if first.diagnosis.failure is not FailureType.NO_FAILURE and not self.allowed(first.diagnosis).any():
+        allowed = self.allowed(first.diagnosis)
+        if first.diagnosis.failure is not FailureType.NO_FAILURE and not allowed.any():
             # no arm both allowed and runnable with the loaded models: the first answer stands
             rec["repair_skipped"] = {"reason": "no allowed arm can run with the loaded models",
                                      "unavailable": dict(self.arms.unavailable)}
@@ -146,8 +147,8 @@ class Pipeline:
             # attempt then builds the same context vector (remaining budget) as a live one
             spent_s = sum(first.timings_s.get(k, 0.0) for k in STAGES)
             try:
-                rec["repair"], final = self._repair(query, q_vec, first, learn, spent_s)
-            except (D2RError, OSError, ValueError) as exc:
+                rec["repair"], final = self._repair(query, q_vec, first, allowed, learn, spent_s)
+            except RECOVERABLE as exc:
                 # the repair pass failed (generator down, ...): the first answer stands, and says so
                 log.warning("repair of %r failed, keeping the first answer: %s", query[:60], exc)
                 rec["repair_error"] = f"{type(exc).__name__}: {exc}"
@@ -165,14 +166,13 @@ class Pipeline:
             return (a.diagnosis.gated_label or Label.NOT_ENOUGH_INFO).value
         return a.generation.response
 
-    def _repair(self, query: str, q_vec: np.ndarray, first: Attempt, learn: bool,
+    def _repair(self, query: str, q_vec: np.ndarray, first: Attempt, allowed: np.ndarray, learn: bool,
                 spent_s: float) -> tuple[dict, Attempt]:
         t0 = time.perf_counter()
         d = first.diagnosis
         remaining_s = max(0.0, self.budget.latency_s - spent_s)
         remaining_mib = max(0.0, self.budget.device_mem_mib - first.timings_s.get("mem_growth_mib", 0.0))
         x = self.context.build(q_vec, d.failure, d.kg, d.e_q, d.e_r, remaining_s, remaining_mib, self.budget)
-        allowed = self.allowed(d)
         masked = self.costs.mask(self.budget, allowed)
         if self.explorer is not None and learn:
             decision = self.explorer.decide(self.policy, x, masked.allowed)

@@ -104,11 +104,11 @@ def arm_availability(roles: Iterable[Role], absent: Mapping[Role, str] | None = 
     have, absent = frozenset(roles), dict(absent or {})
     mask, why = np.ones(len(ARMS), dtype=bool), {}
     for i, arm in enumerate(ARMS):
-        missing = sorted(r.value for r in arm.requires - have)
+        missing = sorted(arm.requires - have, key=lambda r: r.value)
         if missing:
             mask[i] = False
             why[arm.name] = "; ".join(
-                f"no {r} model" + (f" ({absent[Role(r)]})" if Role(r) in absent else " in the profile's manifest")
+                f"no {r.value} model" + (f" ({absent[r]})" if r in absent else " in the profile's manifest")
                 for r in missing)
     return ArmAvailability(mask, why)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from d2r_edge.errors import InputError
+from d2r_edge.errors import RECOVERABLE, InputError
 from d2r_edge.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -188,11 +188,7 @@ def answer_query(pipeline, q: Query, learn: bool, epoch: int | None = None) -> d
         rec["first_correct"] = correct(pipeline.task, gold, rec["first_answer"])
         rec["final_correct"] = correct(pipeline.task, gold, rec["final_answer"])
         rec["error"] = None
-    except Exception as exc:  # one query's failure must not end the run
-        from d2r_edge.errors import D2RError
-
-        if not isinstance(exc, (D2RError, OSError, ValueError)):
-            raise
+    except RECOVERABLE as exc:  # one query's failure must not end the run
         log.warning("query %s failed: %s", q.id, exc)
         rec["error"] = f"{type(exc).__name__}: {exc}"
     return rec

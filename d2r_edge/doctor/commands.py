@@ -112,9 +112,9 @@ def run_diagnose(req: DiagnoseRequest, nli, llm=None) -> dict:
                 log.info("diagnosed %d/%d failed trajectories", i + 1, len(failed))
         # the file in input order with current rule checks (records of other trajectories kept after):
         # an atomic rewrite, only when that changes anything
-        mine = {id(r) for r in records}
-        ordered = records + [r for r in rlog.records if id(r) not in mine]
-        if stale or [id(r) for r in ordered] != [id(r) for r in rlog.records]:
+        lines = {t.line for t in failed}
+        ordered = records + [r for r in rlog.records if r.get("line") not in lines]
+        if stale or ordered != rlog.records:
             rlog.rewrite(ordered)
     finally:
         rlog.close()

@@ -78,20 +78,17 @@ def verified_sha256(path: Path, cache_dir: Path) -> str:
     name = os.path.relpath(path, Path(cache_dir).resolve())
     try:
         cache = json.loads(cache_path.read_text(encoding="utf-8"))
-        hit = cache.get(name)
-        if not isinstance(cache, dict) or not isinstance(hit, dict):
-            raise ValueError
-        if hit.get("size_bytes") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
-            digest = str(hit["sha256"])
-            with _verified_lock:
-                _verified[key] = digest
-            return digest
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError):
         cache = {}
-    digest = sha256_file(path)
+    cache = cache if isinstance(cache, dict) else {}
+    hit = cache.get(name)
+    stale = not (isinstance(hit, dict) and isinstance(hit.get("sha256"), str)
+                 and (hit.get("size_bytes"), hit.get("mtime_ns")) == (st.st_size, st.st_mtime_ns))
+    digest = sha256_file(path) if stale else hit["sha256"]
     with _verified_lock:
         _verified[key] = digest
-    cache = cache if isinstance(cache, dict) else {}
+    if not stale:
+        return digest
     cache[name] = {"sha256": digest, "size_bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
     try:
         tmp = cache_path.with_name(f"{VERIFIED_CACHE}.{os.getpid()}.tmp")

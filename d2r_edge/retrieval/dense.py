@@ -97,10 +97,8 @@ class DenseIndex:
             if self.n > self.index.get_max_elements():
                 self.index.resize_index(max(self.n, int(self.index.get_max_elements() * 1.5)))
         self.index.add_items(new, ids)
-        if calibrate:
+        if calibrate:           # (add_items leaves the index's ef as it was)
             self.calibrate()
-        else:
-            self.index.set_ef(self.ef)
 
     def calibrate(self, n_queries: int = 200) -> float:
         """Smallest ef (from 16, doubling) whose recall@10 vs exact reaches the target.
@@ -128,8 +126,7 @@ class DenseIndex:
             recall = float(np.mean([len(set(x) & set(y)) / len(y) for x, y in zip(got, truth)]))
             if recall >= self.cfg.target_recall_at_10:
                 break
-        self.ef = ef
-        self.index.set_ef(ef)
+        self.ef = ef            # the loop left the index at this ef
         log.info("HNSW ef=%d reaches recall@10 %.3f on %d calibration probes", ef, recall, m)
         return recall
 
