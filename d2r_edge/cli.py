@@ -68,7 +68,9 @@ def _finetune_settings(args: argparse.Namespace, preset: str = "full"):
     if args.epochs is not None:
         given.update(nli_epochs=args.epochs, rerank_epochs=args.epochs)
     for flag, field_name in (("max_train_pairs", "max_train_pairs"), ("nli_general_epochs", "nli_general_epochs"),
-                             ("nli_general_sources", "nli_general_sources")):
+                             ("nli_general_sources", "nli_general_sources"),
+                             ("fever_train_pairs", "nli_fever_train_pairs"),
+                             ("fever_train_titles", "nli_fever_titles")):
         if getattr(args, flag) is not None:
             given[field_name] = getattr(args, flag)
     if not args.nli_augment:
@@ -350,6 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "FEVER/QA pairs (default 1); 0 skips that stage")
     p.add_argument("--nli-general-sources", default=None,
                    help="offline NLI: the general pairs' sources: all, all,-SOURCE,..., or SOURCE,SOURCE")
+    p.add_argument("--fever-train-pairs", type=int, default=None,
+                   help="offline NLI: pairs from FEVER 1.0 train (../shared/data/fever_train) in the FEVER/QA "
+                        "stage (default: the profile's preset; 0: none)")
+    p.add_argument("--fever-train-titles", choices=("bare", "subject", "drop"), default=None,
+                   help="offline NLI: title line of the FEVER-train premises (their file has no page "
+                        "titles): the claim's subject (default), none, or only sentences naming it")
     p.add_argument("--no-nli-augment", dest="nli_augment", action="store_false",
                    help="offline NLI: no synthetic pairs (negation flips and number swaps of "
                         "training FEVER claims)")

@@ -331,7 +331,7 @@ def run_export(req: ExportRequest) -> Path:
             ts = src.training["settings"]   # the held-out sets depend on neither
             general = ts.get("nli_general_sources") if role is Role.NLI and ts.get("nli_general_epochs") else None
             sets = build_pairs(Path(req.data_dir or parity.DEFAULT_DATA_DIR), ts["max_train_pairs"], ts["seed"],
-                               general_sources=general)
+                               general_sources=general)     # FEVER-train pairs never enter the held-out sets
             check = finetune_eval.validate_nli if role is Role.NLI else finetune_eval.validate_reranker
             entry = manifest["roles"][role.value]
             entry["training"] = src.training

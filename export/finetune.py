@@ -20,7 +20,8 @@ import numpy as np
 
 from d2r_edge.errors import ExportError
 from d2r_edge.onnx.manifest import sha256_file
-from export.finetune_data import ID2LABEL, PairSets, build_pairs, missing_files
+from export.fever_train import FILE as FEVER_TRAIN_FILE
+from export.finetune_data import ID2LABEL, FeverTrainSpec, PairSets, build_pairs, missing_files
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,11 @@ class FinetuneSettings:
     nli_general_epochs: int = 1
     nli_general_learning_rate: float = 1e-4
     nli_general_sources: str = "all"        # "all", "all,-SOURCE,...", or "SOURCE,SOURCE,..."
+    # NLI FEVER/QA stage: this many pairs from FEVER 1.0 train (../shared/data/fever_train; 0: none),
+    # premises titled by the claim's subject ("bare", "subject" or "drop"; export/fever_train.py)
+    nli_fever_train_pairs: int = 0
+    nli_fever_titles: str = "subject"
+    nli_fever_max_sentences: int = 2
 
     def __post_init__(self) -> None:
         if self.nli_bf16 not in ("off", "on", "auto"):
@@ -68,6 +74,13 @@ class FinetuneSettings:
         if self.nli_init not in ("base", "reranker") or self.rerank_init not in ("base", "nli"):
             raise ExportError(f"nli_init must be base or reranker and rerank_init base or nli, "
                               f"got {self.nli_init!r} / {self.rerank_init!r}")
+        from export.fever_train import TITLE_MODES
+
+        if (self.nli_fever_titles not in TITLE_MODES or self.nli_fever_train_pairs < 0
+                or self.nli_fever_max_sentences < 1):
+            raise ExportError(f"nli_fever_titles must be one of {', '.join(TITLE_MODES)} (got "
+                              f"{self.nli_fever_titles!r}), nli_fever_train_pairs >= 0 and "
+                              f"nli_fever_max_sentences >= 1")
         if self.nli_init == "reranker" and self.rerank_init == "nli":
             raise ExportError("nli_init=reranker and rerank_init=nli start each role from the other; "
                               "set one of them to base")
@@ -82,6 +95,9 @@ class FinetuneSettings:
         init = self.nli_init if role in ("nli", "nli_general") else self.rerank_init
         return None if init == "base" else init
 
+    def fever_train(self) -> FeverTrainSpec:
+        return FeverTrainSpec(self.nli_fever_train_pairs, self.nli_fever_titles, self.nli_fever_max_sentences)
+
     def general_sources(self) -> str | None:
         return self.nli_general_sources if self.nli_general_epochs > 0 else None
 
@@ -93,7 +109,8 @@ class FinetuneSettings:
             out.pop("batch_size")            # NLI pairs per step
             return out
         if role == "nli_general":            # what the FEVER/QA stage does is not its business
-            out = {k: v for k, v in out.items() if k not in ("nli_epochs", "nli_learning_rate", "nli_augment")}
+            out = {k: v for k, v in out.items() if k not in ("nli_epochs", "nli_learning_rate", "nli_augment")
+                   and not k.startswith("nli_fever_")}
         return {**out, "nli_bf16_used": self.use_bf16()}
 
     def use_bf16(self) -> bool:
@@ -131,9 +148,13 @@ def pairs_sha256(role: str, sets: PairSets) -> str:
 
 
 def _key(role: str, base_sha256: str, sets: PairSets, s: FinetuneSettings, init_key: str | None) -> str:
+    files, split = sets.files_sha256, sets.split
+    if role == "nli_general":   # its own pairs (hashed below) and the split rule shape it, not the later stage's
+        files = {k: v for k, v in files.items() if k != FEVER_TRAIN_FILE}
+        split = {k: split[k] for k in ("rule", "validation_percent")}
     h = hashlib.sha256()
-    h.update(json.dumps({"role": role, "settings": s.for_role(role), "files": sets.files_sha256,
-                         "split": sets.split, "pairs": pairs_sha256(role, sets), "init": init_key,
+    h.update(json.dumps({"role": role, "settings": s.for_role(role), "files": files,
+                         "split": split, "pairs": pairs_sha256(role, sets), "init": init_key,
                          **({"general": sets.general.stats} if role == "nli_general" and sets.general else {})},
                         sort_keys=True).encode())
     h.update(bytes.fromhex(base_sha256))
@@ -295,7 +316,8 @@ def finetuned_checkpoint(role: str, base: Path, data_dir: Path, cache_dir: Path,
         raise ExportError(f"fine-tuning needs the labeled samples {', '.join(missing)} under {data_dir}; "
                           f"pass --data-dir pointing at the shared data folder")
     sets = build_pairs(data_dir, s.max_train_pairs, s.seed, s.rerank_fever_groups, s.nli_augment,
-                       s.general_sources() if role == "nli" else None)
+                       s.general_sources() if role == "nli" else None,
+                       s.fever_train() if role == "nli" else FeverTrainSpec())
     return _checkpoint(role, base, sha256_file(base / "model.safetensors"), sets, cache_dir, s)
 
 
@@ -321,6 +343,7 @@ def _checkpoint(role: str, base: Path, base_sha256: str, sets: PairSets, cache_d
             "initialized_from": ({"role": init_role, "cache_key": init_meta["cache_key"]} if init_meta
                                  else "base_model"),
             **({"general_data": sets.general.stats} if role == "nli_general" and sets.general else {}),
+            **({"fever_train_data": sets.fever_train} if role == "nli" and sets.fever_train else {}),
             **({"first_stage": init_meta} if init_role == "nli_general" else {}),
             "cache_key": key, **stats}
     (tmp / "training.json").write_text(json.dumps(meta, indent=1))

@@ -106,6 +106,7 @@ class PairSets:
     files_sha256: dict[str, str] = field(default_factory=dict)
     split: dict = field(default_factory=dict)
     general: GeneralPairs | None = None     # the general-NLI stage's pairs, when asked for
+    fever_train: dict = field(default_factory=dict)   # stats of the FEVER-train pairs, when asked for
 
 
 @dataclass(frozen=True)
@@ -194,9 +195,18 @@ def validation_texts(fever: list[dict], qa: list[QARow]) -> set[str]:
     return out
 
 
+@dataclass(frozen=True)
+class FeverTrainSpec:
+    """How many FEVER-train pairs join the NLI's FEVER/QA stage, and how (export/fever_train.py)."""
+
+    pairs: int = 0
+    titles: str = "subject"
+    max_sentences: int = 2
+
+
 def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
                 rerank_fever_groups: int = 400, augment: bool = True,
-                general_sources: str | None = None) -> PairSets:
+                general_sources: str | None = None, fever_train: FeverTrainSpec = FeverTrainSpec()) -> PairSets:
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -280,9 +290,20 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
     if max_train_pairs:
         sets.nli_train = sets.nli_train[:max_train_pairs]
         sets.rerank_train = sets.rerank_train[:max(1, max_train_pairs // 8)]
+    if fever_train.pairs > 0:       # after the cut: their number is their own setting
+        from export import fever_train as ft
+
+        extra = ft.build(data, fever_train.pairs, validation_texts(fever, qa), titles=fever_train.titles,
+                         max_sentences=fever_train.max_sentences, seed=seed)
+        sets.files_sha256[ft.FILE] = ft.file_sha256(data)
+        sets.fever_train = extra.stats
+        mix = np.random.default_rng([seed, 3])
+        sets.nli_train += extra.pairs
+        sets.nli_train = [sets.nli_train[i] for i in mix.permutation(len(sets.nli_train))]
     sets.split = {"rule": "sha256(normalized claim or question text) % 100 < 20 -> validation",
                   "validation_percent": 20,
                   "nli_train": len(sets.nli_train), "nli_val": len(sets.nli_val),
+                  **({"nli_train_from_fever_train": sets.fever_train["pairs"]} if sets.fever_train else {}),
                   "rerank_train_groups": len(sets.rerank_train),
                   "rerank_val_questions": len(sets.rerank_val)}
     return sets

@@ -80,6 +80,14 @@ def test_summary_has_every_method_and_the_paper_columns(evaluated):
     tried = {arm for cells in s["arms_by_failure"].values() for arm in cells}
     assert "second_hop" in tried and "| second_hop |" in report and tried <= set(ARM_NAMES)
     assert (out / "fig_budget.png").is_file() or "figures" not in s
+    # failure detection of the first answers: counts agree with the naive records and Table 4
+    det = s["detection"]
+    naive = _records(out, "naive")
+    assert det["score"] == "alg1_nli" and det["n"] == 30 and s["detection_scores"][0] == det
+    assert det["flagged"] == 30 - s["diagnosis"]["failure_types"].get("no_failure", {"n": 0})["n"]
+    assert 0 <= det["flagged_wrong"] <= min(det["flagged"], det["n_wrong"])
+    assert det["auroc"] is None or 0.0 <= det["auroc"] <= 1.0
+    assert len(naive) == 30 and "## Failure detection" in report
 
 
 def test_oracle_is_never_below_any_fixed_arm(evaluated):

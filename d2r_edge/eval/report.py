@@ -138,6 +138,14 @@ def policy_picks(records: dict[str, list[dict]]) -> dict:
     return picks
 
 
+def _detection(ctx: Context) -> dict:
+    """`detection`: the row of the score the gate uses; `detection_scores`: every score's row."""
+    from d2r_edge.eval.detection import detection
+
+    rows = detection(ctx)
+    return {"detection": rows[0], "detection_scores": rows}
+
+
 def summarize(ctx: Context, records: dict[str, list[dict]], extra: dict) -> dict:
     naive = records.get(Method.NAIVE.value) or [
         {**r, "final_correct": r["first_correct"]} for r in next(iter(records.values()))]
@@ -145,6 +153,7 @@ def summarize(ctx: Context, records: dict[str, list[dict]], extra: dict) -> dict
             "refresh_arms": REFRESH_NOTE,
             "methods": {m: method_metrics(ctx, recs, naive) for m, recs in records.items()},
             "diagnosis": diagnosis_table(ctx),
+            **_detection(ctx),
             # every arm on every failing test query: computed for the oracle, so only with it
             "arms_by_failure": arm_table(ctx) if Method.ORACLE.value in records else {},
             "policy_picks": policy_picks(records)}
@@ -173,6 +182,14 @@ def findings(summary: dict) -> list[str]:
         if "oracle" in ms:
             out.append(f"- Headroom: the post-hoc oracle over the allowed arms reaches {ms['oracle'][key]:.3f} "
                        f"({100 * (ms['oracle'][key] - base):+.1f} points over naive); the policies chase this bound.")
+    det = summary.get("detection")
+    if det and det["n_wrong"]:
+        out.append(f"- Detection: {det['n_wrong']} of {det['n']} first answers were wrong; Alg. 1 flagged "
+                   f"{det['flagged']}, {det['flagged_wrong']} of them wrong, so "
+                   f"{det['n_wrong'] - det['flagged_wrong']} "
+                   f"wrong answers were never offered a repair; `{det['score']}` AUROC "
+                   f"{_num(det['auroc'], '.3f')}, AUPRC {_num(det['auprc'], '.3f')} (base rate "
+                   f"{det['n_wrong'] / det['n']:.3f}).")
     diag = summary["diagnosis"]
     ie = diag["insufficient_vs_no_gold_retrieved"]
     types = diag["failure_types"]
@@ -263,6 +280,15 @@ def markdown(summary: dict) -> str:
                          "balanced accuracy"],
                         [[f, str(v["right"]), _pct(v["entailed_if_right"]), str(v["wrong"]),
                           _pct(v["entailed_if_wrong"]), _num(v["balanced_accuracy"], ".3f")] for f, v in forms.items()])
+    det = summary.get("detection_scores") or []
+    if det:
+        lines += ["", "## Failure detection (test queries' first answers, before the UNVERIFIED gate)", ""]
+        lines += _table(["score", "AUROC", "AUPRC", "queries", "wrong", "flagged", "flagged and wrong"],
+                        [[r["score"], _num(r["auroc"], ".3f"), _num(r["auprc"], ".3f"), str(r["n"]),
+                          str(r["n_wrong"]), str(r["flagged"]), str(r["flagged_wrong"])] for r in det])
+        lines += ["", "AUROC: how often a wrong first answer scores above a right one (0.5: chance). "
+                      "`alg1_nli`: 1 - min(max P(not neutral | passage, query), max P(entailed | passage, "
+                      "response)), the probabilities Algorithm 1 thresholds; flagged: Alg. 1 named a failure."]
     d = summary["diagnosis"]
     lines += ["", "## Table 4: diagnosis", ""]
     lines += _table(["first-pass failure", "queries", "share", "first answer right"],

@@ -1,0 +1,191 @@
+"""A calibrated failure detector: P(the first answer is wrong) from signals the runtime already has.
+
+Algorithm 1 decides "failure or not" by thresholding argmax NLI labels; this
+fits the same evidence, and more, to labels: a logistic regression (numpy,
+Newton steps with an L2 penalty on standardized features) over
+
+- the NLI probabilities of every (passage, query) and (passage, response) pair:
+  max / mean entailment and contradiction, min neutral, the top-passage margin
+  (entailment - contradiction), the share of passages that bear on the query
+  and that entail the response;
+- retrieval: the top passage's score, its gap to the next, the number of passages;
+- the answer: its length; FEVER: the label given (one-hot); QA: whether the
+  normalized answer occurs in a passage and the best passage's share of the
+  answer's tokens;
+- the KG check: conflict / consistent.
+
+The generator's own confidence (token log-probabilities) is not among the
+features: the generators here do not return it yet, and a feature that is not
+measured is not invented.
+
+Fitted by `d2r-edge eval answers` on the training queries (label: the first
+answer was wrong), saved as JSON with its feature list, version and fit
+statistics; loading refuses a file whose features are not the ones this code
+computes for the task.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from d2r_edge.errors import ConfigError
+from d2r_edge.signals import KGStatus
+
+FORMAT = "d2r-edge-detector/1"
+FEVER_LABELS = ("SUPPORTS", "REFUTES", "NOT ENOUGH INFO")
+_COMMON = ("q_ent_max", "q_con_max", "q_neu_min", "q_ent_mean", "q_con_mean", "q_margin_top", "q_bearing_share",
+           "r_ent_max", "r_con_max", "r_neu_min", "r_ent_mean", "r_con_mean", "r_margin_top", "r_entailing_share",
+           "ret_top1", "ret_gap", "n_passages", "answer_len_log", "kg_conflict", "kg_consistent")
+
+
+def feature_names(fact_verification: bool) -> tuple[str, ...]:
+    extra = tuple(f"label_{lab.lower().replace(' ', '_')}" for lab in FEVER_LABELS) if fact_verification \
+        else ("qa_answer_in_passage", "qa_answer_token_recall")
+    return _COMMON + extra
+
+
+def _norm_tokens(text: str) -> list[str]:
+    text = re.sub(r"[^\w\s]", " ", text.lower())
+    return [t for t in text.split() if t not in ("a", "an", "the")]
+
+
+def _nli_stats(probs: list[dict], prefix: str) -> dict[str, float]:
+    if not probs:
+        keys = ("ent_max", "con_max", "neu_min", "ent_mean", "con_mean", "margin_top",
+                "bearing_share" if prefix == "q" else "entailing_share")
+        return {f"{prefix}_{k}": 0.0 for k in keys}
+    ent = np.array([float(p.get("entailment", 0.0)) for p in probs])
+    con = np.array([float(p.get("contradiction", 0.0)) for p in probs])
+    neu = np.array([float(p.get("neutral", 0.0)) for p in probs])
+    top = int(np.argmax(np.maximum(ent, con)))
+    argmax = np.argmax(np.stack([ent, neu, con]), axis=0)
+    share = float(np.mean(argmax != 1)) if prefix == "q" else float(np.mean(argmax == 0))
+    return {f"{prefix}_ent_max": float(ent.max()), f"{prefix}_con_max": float(con.max()),
+            f"{prefix}_neu_min": float(neu.min()), f"{prefix}_ent_mean": float(ent.mean()),
+            f"{prefix}_con_mean": float(con.mean()), f"{prefix}_margin_top": float(ent[top] - con[top]),
+            f"{prefix}_{'bearing' if prefix == 'q' else 'entailing'}_share": share}
+
+
+def features(attempt, fact_verification: bool) -> dict[str, float]:
+    """The detector's inputs for one attempt (an Attempt: passages, generation, diagnosis)."""
+    d, passages = attempt.diagnosis, attempt.passages
+    out = {**_nli_stats(d.passage_probs_q, "q"), **_nli_stats(d.passage_probs_r, "r")}
+    scores = sorted((float(p.score) for p in passages), reverse=True)
+    out["ret_top1"] = scores[0] if scores else 0.0
+    out["ret_gap"] = scores[0] - scores[1] if len(scores) > 1 else 0.0
+    out["n_passages"] = float(len(passages))
+    answer = attempt.generation.response or ""
+    out["answer_len_log"] = math.log1p(len(answer.split()))
+    out["kg_conflict"] = float(d.kg is KGStatus.CONFLICT)
+    out["kg_consistent"] = float(d.kg is KGStatus.CONSISTENT)
+    if fact_verification:
+        label = attempt.generation.label.value if attempt.generation.label is not None else "NOT ENOUGH INFO"
+        for lab in FEVER_LABELS:
+            out[f"label_{lab.lower().replace(' ', '_')}"] = float(label == lab)
+    else:
+        toks = _norm_tokens(answer)
+        texts = [_norm_tokens(f"{p.title} {p.text}") for p in passages]
+        joined = [" ".join(t) for t in texts]
+        needle = " ".join(toks)
+        out["qa_answer_in_passage"] = float(bool(needle) and any(f" {needle} " in f" {j} " for j in joined))
+        out["qa_answer_token_recall"] = max((sum(t in set(p) for t in toks) / len(toks) for p in texts),
+                                            default=0.0) if toks else 0.0
+    return out
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(z, -35, 35)))
+
+
+@dataclass
+class Detector:
+    """Logistic regression on standardized features; `threshold`: P(wrong) at which the gate repairs."""
+
+    names: tuple[str, ...]
+    task: str
+    mean: np.ndarray
+    scale: np.ndarray
+    weights: np.ndarray
+    bias: float
+    threshold: float
+    fit_stats: dict = field(default_factory=dict)
+
+    def p_wrong(self, feats: dict[str, float]) -> float:
+        x = np.array([feats[n] for n in self.names], dtype=np.float64)
+        return float(_sigmoid(((x - self.mean) / self.scale) @ self.weights + self.bias))
+
+    def p_wrong_many(self, x: np.ndarray) -> np.ndarray:
+        return _sigmoid(((np.asarray(x, dtype=np.float64) - self.mean) / self.scale) @ self.weights + self.bias)
+
+    @classmethod
+    def fit(cls, x: np.ndarray, wrong: np.ndarray, names: tuple[str, ...], task: str, l2: float = 1.0,
+            iterations: int = 50) -> "Detector":
+        """Newton's method on the L2-penalized log-loss; the threshold maximizes balanced accuracy on the fit data."""
+        x = np.asarray(x, dtype=np.float64)
+        y = np.asarray(wrong, dtype=np.float64)
+        if x.ndim != 2 or x.shape[1] != len(names) or len(y) != len(x):
+            raise ConfigError(f"detector fit: {x.shape} features for {len(names)} names and {len(y)} labels")
+        if len(y) < 10 or y.min() == y.max():
+            raise ConfigError(f"detector fit needs right and wrong answers among >= 10 training queries "
+                              f"(got {len(y)}, {int(y.sum())} wrong); give more --train queries")
+        mean = x.mean(axis=0)
+        scale = x.std(axis=0)
+        scale[scale < 1e-9] = 1.0
+        z = np.hstack([(x - mean) / scale, np.ones((len(x), 1))])
+        w = np.zeros(z.shape[1])
+        reg = np.full(z.shape[1], l2)
+        reg[-1] = 0.0                                 # the bias is not penalized
+        for _ in range(iterations):
+            p = _sigmoid(z @ w)
+            grad = z.T @ (p - y) + reg * w
+            hess = (z * (p * (1 - p))[:, None]).T @ z + np.diag(reg) + 1e-9 * np.eye(len(w))
+            step = np.linalg.solve(hess, grad)
+            w -= step
+            if np.max(np.abs(step)) < 1e-8:
+                break
+        p = _sigmoid(z @ w)
+        cands = np.unique(np.round(p, 6))
+        bal = [(np.mean(p[y == 1] >= t) + np.mean(p[y == 0] < t)) / 2 for t in cands]
+        t = float(cands[int(np.argmax(bal))])
+        loss = float(-np.mean(y * np.log(np.clip(p, 1e-12, 1)) + (1 - y) * np.log(np.clip(1 - p, 1e-12, 1))))
+        stats = {"n": int(len(y)), "n_wrong": int(y.sum()), "l2": l2, "log_loss": loss,
+                 "balanced_accuracy_at_threshold": float(max(bal)),
+                 "threshold_rule": "max balanced accuracy on fit data"}
+        return cls(tuple(names), task, mean, scale, w[:-1], float(w[-1]), t, stats)
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "task": self.task, "features": list(self.names), "mean": self.mean.tolist(),
+                "scale": self.scale.tolist(), "weights": self.weights.tolist(), "bias": self.bias,
+                "threshold": self.threshold, "fit": self.fit_stats}
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, fact_verification: bool) -> "Detector":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the detector {path}: {exc}; refit it with d2r-edge eval answers") from exc
+        want = feature_names(fact_verification)
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise ConfigError(f"{path} is not a {FORMAT} file; refit it with d2r-edge eval answers")
+        if tuple(raw.get("features") or ()) != want:
+            raise ConfigError(f"{path} was fitted on other features ({len(raw.get('features') or [])} named, "
+                              f"this version computes {len(want)} for this task); refit it with d2r-edge eval answers")
+        arrays = {k: np.asarray(raw[k], dtype=np.float64) for k in ("mean", "scale", "weights")}
+        if any(a.shape != (len(want),) or not np.all(np.isfinite(a)) for a in arrays.values()) or \
+                not all(math.isfinite(float(raw[k])) for k in ("bias", "threshold")):
+            raise ConfigError(f"{path} holds weights of the wrong shape or non-finite values; refit it")
+        return cls(want, str(raw.get("task")), arrays["mean"], arrays["scale"], arrays["weights"],
+                   float(raw["bias"]), float(raw["threshold"]), dict(raw.get("fit") or {}))
