@@ -25,7 +25,7 @@ def small_offline(tmp_path_factory, shared_data):
     warnings.filterwarnings("ignore")
     logging.getLogger("optimum").setLevel(logging.ERROR)
     out = tmp_path_factory.mktemp("offline")
-    settings = FinetuneSettings(nli_epochs=1, rerank_epochs=1, max_train_pairs=256)
+    settings = FinetuneSettings(nli_epochs=1, rerank_epochs=1, max_train_pairs=256, nli_fever_train_pairs=128)
     path = run_export(ExportRequest("offline", models_dir=out, profiles_file=ROOT / "models" / "profiles.toml",
                                     data_dir=shared_data, variants=(Variant.FP32, Variant.INT8),
                                     finetune=settings))
@@ -122,6 +122,12 @@ def test_manifest_is_traceable(small_offline):
     t = nli["training"]
     assert len(t["base_model_sha256"]) == 64 and set(t["data_files_sha256"]) >= {"fever/dev.jsonl"}
     assert t["split"]["validation_percent"] == 20 and t["settings"]["max_train_pairs"] == 256
+    # a slice of FEVER train joins the FEVER/QA stage, its file hashed into the key and manifest
+    ft = t["fever_train_data"]
+    assert ft["pairs"] == 128 and ft["titles"] == "subject" and sum(ft["labels"].values()) == 128
+    assert len(t["data_files_sha256"]["fever_train/train.jsonl.gz"]) == 64
+    assert t["split"]["nli_train_from_fever_train"] == 128 and t["train_pairs"] == 256 + 128
+    assert t["settings"]["nli_fever_train_pairs"] == 128 and "nli_fever_train_pairs" not in first["settings"]
     v = nli["validation"]
     assert set(v["table"]) == {"model_int8", "model_fp32", "majority_class", "lexical_overlap"}
     assert 0 <= v["int8_fp32_label_agreement"] <= 1
@@ -213,3 +219,7 @@ def test_cli_export_flags_reach_the_training_settings():
          "--max-train-pairs", "64"]))
     assert not s.nli_augment and (s.nli_epochs, s.rerank_epochs, s.nli_bf16, s.max_train_pairs) == (1, 1, "off", 64)
     assert "nli_augment" in s.for_role("nli") and "nli_augment" not in s.for_role("reranker")
+    s = _finetune_settings(build_parser().parse_args(
+        ["export", "--profile", "offline", "--fever-train-pairs", "500", "--fever-train-titles", "bare"]))
+    assert (s.nli_fever_train_pairs, s.nli_fever_titles) == (500, "bare")
+    assert s.fever_train().pairs == 500 and "nli_fever_titles" not in s.for_role("nli_general")
