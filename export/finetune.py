@@ -149,9 +149,11 @@ def pairs_sha256(role: str, sets: PairSets) -> str:
 
 def _key(role: str, base_sha256: str, sets: PairSets, s: FinetuneSettings, init_key: str | None) -> str:
     files, split = sets.files_sha256, sets.split
-    if role == "nli_general":   # its own pairs (hashed below) and the split rule shape it, not the later stage's
+    if role != "nli":   # the FEVER/QA stage's pairs (FEVER train among them) shape only the nli role
         files = {k: v for k, v in files.items() if k != FEVER_TRAIN_FILE}
-        split = {k: split[k] for k in ("rule", "validation_percent")}
+        own = ("rule", "validation_percent") + (("rerank_train_groups", "rerank_val_questions")
+                                                if role == "reranker" else ())
+        split = {k: split[k] for k in own if k in split}
     h = hashlib.sha256()
     h.update(json.dumps({"role": role, "settings": s.for_role(role), "files": files,
                          "split": split, "pairs": pairs_sha256(role, sets), "init": init_key,
