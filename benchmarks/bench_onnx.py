@@ -222,9 +222,10 @@ def machine() -> str:
 # 4.5x its fp32 ones there, but DeBERTa's relative-attention gathers (Expand + GatherElements of a
 # batch x heads x q x k index, Where, Transpose) are memory-bound and take about half of ORT's time
 # in both precisions; PyTorch expands as a view. docs/results.md ("the ONNX layer on this VM
-# class") has the profile and a gather-free formulation that was tried and was slower. The floor
-# asserted here sits below int8's runs and above most of ORT fp32's (2.9-3.2 s batched: 1.4-2.3x).
-NLI_BASE_FLOOR = 2.0
+# class") has the profile and two gather-free formulations that were tried and were not faster. The
+# floor sits below the lowest of the four runs (2.23x) with room for this shared machine's noise (the
+# PyTorch loop alone took 4.4-6.7 s across runs); ORT fp32 batched reaches 1.4-2.3x.
+NLI_BASE_FLOOR = 1.8
 
 
 @pytest.mark.slow
