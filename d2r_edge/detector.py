@@ -28,48 +28,46 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from d2r_edge.errors import ConfigError
+from d2r_edge.eval.metrics import FEVER_CLASSES, normalize_answer
 from d2r_edge.signals import KGStatus
 
 FORMAT = "d2r-edge-detector/1"
-FEVER_LABELS = ("SUPPORTS", "REFUTES", "NOT ENOUGH INFO")
 _COMMON = ("q_ent_max", "q_con_max", "q_neu_min", "q_ent_mean", "q_con_mean", "q_margin_top", "q_bearing_share",
            "r_ent_max", "r_con_max", "r_neu_min", "r_ent_mean", "r_con_mean", "r_margin_top", "r_entailing_share",
            "ret_top1", "ret_gap", "n_passages", "answer_len_log", "kg_conflict", "kg_consistent")
 
 
+def _label_feature(label: str) -> str:
+    return f"label_{label.lower().replace(' ', '_')}"
+
+
 def feature_names(fact_verification: bool) -> tuple[str, ...]:
-    extra = tuple(f"label_{lab.lower().replace(' ', '_')}" for lab in FEVER_LABELS) if fact_verification \
+    extra = tuple(map(_label_feature, FEVER_CLASSES)) if fact_verification \
         else ("qa_answer_in_passage", "qa_answer_token_recall")
     return _COMMON + extra
 
 
-def _norm_tokens(text: str) -> list[str]:
-    text = re.sub(r"[^\w\s]", " ", text.lower())
-    return [t for t in text.split() if t not in ("a", "an", "the")]
-
-
 def _nli_stats(probs: list[dict], prefix: str) -> dict[str, float]:
+    """Per-passage NLI probabilities summarized; the share is of passages bearing on the query (q:
+    not neutral) or entailing the response (r)."""
+    share_name = f"{prefix}_{'bearing' if prefix == 'q' else 'entailing'}_share"
     if not probs:
-        keys = ("ent_max", "con_max", "neu_min", "ent_mean", "con_mean", "margin_top",
-                "bearing_share" if prefix == "q" else "entailing_share")
-        return {f"{prefix}_{k}": 0.0 for k in keys}
-    ent = np.array([float(p.get("entailment", 0.0)) for p in probs])
-    con = np.array([float(p.get("contradiction", 0.0)) for p in probs])
-    neu = np.array([float(p.get("neutral", 0.0)) for p in probs])
+        return {n: 0.0 for n in _COMMON if n.startswith(f"{prefix}_")}
+    ent, neu, con = (np.array([float(p.get(k, 0.0)) for p in probs])
+                     for k in ("entailment", "neutral", "contradiction"))
     top = int(np.argmax(np.maximum(ent, con)))
     argmax = np.argmax(np.stack([ent, neu, con]), axis=0)
     share = float(np.mean(argmax != 1)) if prefix == "q" else float(np.mean(argmax == 0))
     return {f"{prefix}_ent_max": float(ent.max()), f"{prefix}_con_max": float(con.max()),
             f"{prefix}_neu_min": float(neu.min()), f"{prefix}_ent_mean": float(ent.mean()),
             f"{prefix}_con_mean": float(con.mean()), f"{prefix}_margin_top": float(ent[top] - con[top]),
-            f"{prefix}_{'bearing' if prefix == 'q' else 'entailing'}_share": share}
+            share_name: share}
 
 
 def features(attempt, fact_verification: bool) -> dict[str, float]:
@@ -86,17 +84,23 @@ def features(attempt, fact_verification: bool) -> dict[str, float]:
     out["kg_consistent"] = float(d.kg is KGStatus.CONSISTENT)
     if fact_verification:
         label = attempt.generation.label.value if attempt.generation.label is not None else "NOT ENOUGH INFO"
-        for lab in FEVER_LABELS:
-            out[f"label_{lab.lower().replace(' ', '_')}"] = float(label == lab)
-    else:
-        toks = _norm_tokens(answer)
-        texts = [_norm_tokens(f"{p.title} {p.text}") for p in passages]
-        joined = [" ".join(t) for t in texts]
-        needle = " ".join(toks)
-        out["qa_answer_in_passage"] = float(bool(needle) and any(f" {needle} " in f" {j} " for j in joined))
-        out["qa_answer_token_recall"] = max((sum(t in set(p) for t in toks) / len(toks) for p in texts),
+        for lab in FEVER_CLASSES:
+            out[_label_feature(lab)] = float(label == lab)
+    else:   # grounding, under the normalization EM scores with
+        needle = normalize_answer(answer)
+        toks = needle.split()
+        texts = [normalize_answer(f"{p.title} {p.text}") for p in passages]
+        out["qa_answer_in_passage"] = float(bool(needle) and any(f" {needle} " in f" {t} " for t in texts))
+        out["qa_answer_token_recall"] = max((sum(t in set(p.split()) for t in toks) / len(toks) for p in texts),
                                             default=0.0) if toks else 0.0
     return out
+
+
+def feature_matrix(attempts, fact_verification: bool) -> np.ndarray:
+    """features() of each attempt as rows, in feature_names() order."""
+    names = feature_names(fact_verification)
+    rows = [features(a, fact_verification) for a in attempts]
+    return np.array([[r[n] for n in names] for r in rows], dtype=np.float64).reshape(len(rows), len(names))
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
@@ -115,10 +119,6 @@ class Detector:
     bias: float
     threshold: float
     fit_stats: dict = field(default_factory=dict)
-
-    def p_wrong(self, feats: dict[str, float]) -> float:
-        x = np.array([feats[n] for n in self.names], dtype=np.float64)
-        return float(_sigmoid(((x - self.mean) / self.scale) @ self.weights + self.bias))
 
     def p_wrong_many(self, x: np.ndarray) -> np.ndarray:
         return _sigmoid(((np.asarray(x, dtype=np.float64) - self.mean) / self.scale) @ self.weights + self.bias)

@@ -33,9 +33,9 @@ from pathlib import Path
 
 from d2r_edge.errors import ExportError
 from d2r_edge.retrieval.bm25 import BM25Index
+from export.finetune_data import CON, ENT, NEU
 from export.nli_general import dedupe_key
 
-ENT, NEU, CON = 0, 1, 2
 TITLE_MODES = ("bare", "subject", "drop")
 FILE = "fever_train/train.jsonl.gz"
 _CONNECTORS = {"of", "the", "and", "de", "von", "van", "la", "le", "del", "da", "du", "des", "y", "&", "-", "on",
@@ -80,18 +80,17 @@ def names(sentence: str, subject: str) -> bool:
 class FeverTrainPairs:
     pairs: list[tuple[str, str, int]] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    file_sha256: str = ""
 
 
-def _read(path: Path) -> list[dict]:
+def _read(path: Path) -> tuple[list[dict], str]:
+    """The rows and the sha256 of the file's bytes, read once."""
     try:
-        with gzip.open(path, "rt", encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh if line.strip()]
-    except (OSError, ValueError) as exc:
+        raw = path.read_bytes()
+        text = gzip.decompress(raw).decode("utf-8")
+        return [json.loads(line) for line in text.splitlines() if line.strip()], hashlib.sha256(raw).hexdigest()
+    except (OSError, ValueError, EOFError) as exc:
         raise ExportError(f"cannot read {path}: {exc}; it should be FEVER train as described in its SOURCE.md") from exc
-
-
-def file_sha256(data: Path) -> str:
-    return hashlib.sha256((data / FILE).read_bytes()).hexdigest()
 
 
 def build(data: Path, n_pairs: int, validation_texts: set[str], *, titles: str = "subject",
@@ -105,8 +104,8 @@ def build(data: Path, n_pairs: int, validation_texts: set[str], *, titles: str =
     if not path.is_file():
         raise ExportError(f"{path} is missing; pass --data-dir pointing at the shared data folder "
                           f"or set the FEVER train pairs to 0")
-    rows = _read(path)
-    out = FeverTrainPairs()
+    rows, digest = _read(path)
+    out = FeverTrainPairs(file_sha256=digest)
     removed = {"claim_in_validation": 0, "premise_in_validation": 0, "no_sentence_left": 0, "no_look_alike": 0}
     # the look-alike pool: every evidence sentence with the subject of its claim, none from validation
     pool: dict[str, str | None] = {}

