@@ -10,6 +10,7 @@ import numpy as np
 
 from d2r_edge.budget import CostModel, MemoryProbe, Meter
 from d2r_edge.config import Budget, ContextConfig, ExplorationConfig, RewardConfig
+from d2r_edge.detector import Detector, Gate
 from d2r_edge.diagnose import Diagnoser
 from d2r_edge.errors import ConfigError, PolicyFileError
 from d2r_edge.generate.registry import Encoders, build_generator
@@ -55,6 +56,8 @@ class RunSettings:
     evidence_titles: bool = True           # passages as "title\ntext" (retrieval.retriever.evidence_text)
     intra_op_threads: int = 0              # ONNX Runtime threads per session; 0 = one per usable core
     create_policy: bool = False            # train: a --policy file that does not exist yet is started fresh
+    gate: Gate = Gate.PAPER                # which first answers are repaired (d2r_edge.detector)
+    detector_path: Path | None = None      # the calibrated detector (JSON); loaded when given
 
 
 def costs_path(policy_path: Path) -> Path:
@@ -71,8 +74,11 @@ def load_policy(s: RunSettings, context):
         if s.policy_kind == "thompson":
             pol = ThompsonSampling.load(s.policy_path, arm_names=ARM_NAMES)
         else:
-            pol = LinUCB.load(s.policy_path, dim=context.dim, arm_names=ARM_NAMES)
-            check_context(s.policy_path, pol.context, context.spec)
+            pol = LinUCB.load(s.policy_path, arm_names=ARM_NAMES)
+            check_context(s.policy_path, pol.context, context.spec)     # says which setting differs
+            if pol.dim != context.dim:
+                raise PolicyFileError(f"{s.policy_path} scores {pol.dim}-dimensional contexts, this run builds "
+                                      f"{context.dim}; run with the settings it was trained with or retrain it")
         cp = costs_path(s.policy_path)
         costs = CostModel.load(cp) if cp.is_file() else CostModel(len(ARM_NAMES))
         return pol, costs
@@ -87,7 +93,7 @@ def load_policy(s: RunSettings, context):
     return pol, CostModel(len(ARM_NAMES))
 
 
-_CONTEXT_FLAGS = {"projection_seed": "--seed", "query_dim": "the query_dim setting",
+_CONTEXT_FLAGS = {"projection_seed": "--seed", "query_dim": "the query_dim setting", "p_wrong": "--gate",
                   "embedder": "--models (the profile whose embedder trained it)"}
 
 
@@ -151,14 +157,49 @@ def build_pipeline(s: RunSettings) -> Pipeline:
                     meter=Meter(MemoryProbe(prefer_device=on_cuda(nli.session))), budget=s.budget,
                     reward_cfg=s.reward,
                     explorer=Explorer(IS_RETRIEVAL, s.exploration) if s.exploration.rate > 0 else None,
-                    refresh=refresh, default=PipelineConfig(evidence_titles=s.evidence_titles), arms=arms)
+                    refresh=refresh, default=PipelineConfig(evidence_titles=s.evidence_titles), arms=arms,
+                    gate=s.gate, detector=(Detector.load(s.detector_path, s.task.fact_verification)
+                                           if s.detector_path is not None else None))
 
 
 def context_builder(embedder, s: RunSettings):
     from d2r_edge.policy.features import ContextBuilder
 
     return ContextBuilder(ContextConfig(embedding_dim=embedder.dim, query_dim=s.query_dim,
-                                        projection_seed=s.seed, embedder_id=embedder.space_id))
+                                        projection_seed=s.seed, embedder_id=embedder.space_id,
+                                        p_wrong=s.gate is Gate.CALIBRATED))
+
+
+def detector_path(policy_path: Path) -> Path:
+    """Where `train --gate calibrated` saves the detector: beside the policy."""
+    return policy_path.with_name(policy_path.stem + ".detector.json")
+
+
+def fit_detector_on_queries(pipeline: Pipeline, queries, path: Path) -> Detector:
+    """The calibrated detector fitted on the first attempts of the labeled `queries` (FEVER labels, QA
+    gold answers; unlabeled ones are skipped) and saved to `path`. The first attempts are computed
+    here and again when the policy trains (they are not kept: a refresh arm changes the KB)."""
+    from d2r_edge.detector import feature_matrix, feature_names
+    from d2r_edge.runner import correct
+
+    fv = pipeline.task.fact_verification
+    attempts, wrong = [], []
+    for q in queries:
+        gold = {"label": q.label, "answer": q.answer}
+        if (q.label if fv else q.answer) is None:
+            continue
+        a, _ = pipeline.metered_attempt(q.text, pipeline.default, pipeline.retriever.embed(q.text), metered=False)
+        label = a.generation.label.value if fv and a.generation.label is not None else "NOT ENOUGH INFO"
+        attempts.append(a)
+        wrong.append(not correct(pipeline.task, gold, label if fv else a.generation.response))
+    if not attempts:
+        raise ConfigError("--gate calibrated fits its detector on labeled queries (FEVER label / QA answer), "
+                          "and none of the training queries has one; add labels or use --gate paper")
+    det = Detector.fit(feature_matrix(attempts, fv), np.array(wrong), feature_names(fv), pipeline.task.value)
+    det.save(path)
+    log.info("detector fitted on %d labeled queries (%d wrong first answers), threshold %.3f: %s",
+             len(attempts), sum(wrong), det.threshold, path)
+    return det
 
 
 def save_policy(pipeline: Pipeline, path: Path) -> None:

@@ -171,6 +171,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_eval_answers(args: argparse.Namespace) -> int:
     from d2r_edge.app import RunSettings
     from d2r_edge.config import BUDGET_PRESETS, Budget
+    from d2r_edge.detector import Gate
     from d2r_edge.eval.answers import EvalSettings, evaluate, parse_methods
     from d2r_edge.eval.split import Split
     from d2r_edge.onnx.manifest import Variant
@@ -184,7 +185,8 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
                       allow_random_weights=args.allow_random_weights, generator=args.generator,
                       base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
                       timeout_s=args.timeout_s, alpha=args.alpha, budget=budget, seed=args.seed,
-                      qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages)
+                      qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages,
+                      gate=Gate(args.gate))
     s = EvalSettings(task=Task(args.task), train=tuple(map(Path, args.train)), test=tuple(map(Path, args.test)),
                      models=Path(args.models), out=out, train_limit=args.train_limit, test_limit=args.test_limit,
                      test_offset=args.test_offset,
@@ -205,6 +207,7 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
 def _settings(args: argparse.Namespace):
     from d2r_edge.app import RunSettings
     from d2r_edge.config import BUDGET_PRESETS, Budget, ExplorationConfig, RewardConfig
+    from d2r_edge.detector import Gate
     from d2r_edge.onnx.manifest import Variant
     from d2r_edge.tasks import Task
 
@@ -219,7 +222,23 @@ def _settings(args: argparse.Namespace):
         reward=RewardConfig(gates=not args.unconstrained, cost_weighting=not args.unweighted),
         exploration=ExplorationConfig(rate=args.explore, seed=args.seed),
         refresh_pool=Path(args.refresh_pool) if args.refresh_pool else None, seed=args.seed,
-        qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages)
+        qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages, gate=Gate(args.gate),
+        detector_path=_detector(args))
+
+
+def _detector(args: argparse.Namespace) -> Path | None:
+    """--detector, else the one beside --policy when it exists."""
+    from d2r_edge.app import detector_path
+
+    if args.detector:
+        path = Path(args.detector)
+        if not path.is_file():
+            raise InputError(f"no detector file at {path}; fit one with `d2r-edge train --gate calibrated "
+                             f"--policy P.npz` (it writes P.detector.json) or leave --detector out")
+        return path
+    if args.policy and detector_path(Path(args.policy)).is_file():
+        return detector_path(Path(args.policy))
+    return None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -230,6 +249,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.limit:
         queries = queries[: args.limit]
     settings = _settings(args)
+    if settings.gate.value == "calibrated" and settings.detector_path is None:
+        raise InputError("--gate calibrated needs a fitted detector: give --detector FILE, or --policy P.npz "
+                         "trained with `d2r-edge train --gate calibrated` (it writes P.detector.json)")
     if args.engine == "ray":
         from d2r_edge.engine.ray_run import run_queries
 
@@ -241,7 +263,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from d2r_edge.app import build_pipeline, train
+    from d2r_edge.app import build_pipeline, detector_path, fit_detector_on_queries, train
     from d2r_edge.runner import load_queries, summary
 
     if not args.policy:
@@ -254,7 +276,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.limit:
         queries = queries[: args.limit]
     settings = dataclasses.replace(_settings(args), create_policy=True)   # train may start the file
-    records = train(build_pipeline(settings), queries, Path(args.out), settings.policy_path, args.epochs,
+    pipeline = build_pipeline(settings)
+    if settings.gate.value == "calibrated" and pipeline.detector is None:
+        # the gate decides what is repaired, so the detector is fitted before the policy learns
+        path = detector_path(settings.policy_path)
+        pipeline.detector = fit_detector_on_queries(pipeline, queries, path)
+        print(f"detector saved to {path}")
+    records = train(pipeline, queries, Path(args.out), settings.policy_path, args.epochs,
                     save_every_updates=args.save_every)
     print(summary(records))
     print(f"policy saved to {settings.policy_path}")
@@ -278,6 +306,10 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--explore", type=float, default=0.0, help="weighted random exploration rate (train)")
     p.add_argument("--refresh-pool", default=None, help="JSONL pool for the paper's simulated refresh arm")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--detector", default=None,
+                   help="calibrated detector JSON (default: POLICY.detector.json beside --policy, which "
+                        "`train --gate calibrated` fits on the labeled queries); when loaded, records carry "
+                        "p_wrong under either gate")
     _model_args(p)
     _engine_args(p)
 
@@ -317,6 +349,10 @@ def _generator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bare-passages", action="store_true",
                    help="give the generator and the NLI passage text without its title (default: "
                         "'title\\ntext', the form the offline models are fine-tuned on)")
+    p.add_argument("--gate", default="paper", choices=["paper", "calibrated"],
+                   help="which first answers are repaired: paper = Algorithm 1's failures; calibrated = the "
+                        "fitted detector's P(wrong) >= its threshold, with P(wrong) in the policy's context "
+                        "(d2r_edge/detector.py; see the README for which measured better)")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -410,6 +446,10 @@ def build_parser() -> argparse.ArgumentParser:
     _generator_args(p)
     p.add_argument("--alpha", type=float, default=2.0, help="LinUCB exploration (paper: 2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--detector", default=None,
+                   help="calibrated detector JSON (default: POLICY.detector.json beside --policy, which "
+                        "`train --gate calibrated` fits on the labeled queries); when loaded, records carry "
+                        "p_wrong under either gate")
     _model_args(p)
     _engine_args(p)
     p.set_defaults(func=cmd_eval_answers)

@@ -86,6 +86,7 @@ class ContextConfig:
     query_dim: int | None = 128
     projection_seed: int = 0
     embedder_id: str | None = None          # which embedding space (Embedder.space_id)
+    p_wrong: bool = False                   # the calibrated gate's P(wrong) as one more feature
 
     def __post_init__(self) -> None:
         if not isinstance(self.embedding_dim, int) or self.embedding_dim < 1:
@@ -99,8 +100,8 @@ class ContextConfig:
 
     @property
     def dim(self) -> int:
-        # query + failure(5) + KG(5) + e_q(3) + e_r(3) + budgets(2) + bias(1)
-        return self.projected_dim + 19
+        # query + failure(5) + KG(5) + e_q(3) + e_r(3) + budgets(2) [+ P(wrong)] + bias(1)
+        return self.projected_dim + 19 + int(self.p_wrong)
 
 
 @dataclass(frozen=True)

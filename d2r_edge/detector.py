@@ -12,16 +12,24 @@ Newton steps with an L2 penalty on standardized features) over
 - the answer: its length; FEVER: the label given (one-hot); QA: whether the
   normalized answer occurs in a passage and the best passage's share of the
   answer's tokens;
-- the KG check: conflict / consistent.
+- the KG check: conflict / consistent;
+- the generator's own confidence: mean and min log-probability of the answer's
+  tokens, where the server returns them (OpenAI-compatible `logprobs`). A
+  generator that gives none (the extractive one, a server without logprobs, a
+  cached answer from before) has them *missing*: `gen_logprobs_present` is 0
+  and the two values are NaN in the signals, replaced at scoring time by the
+  training mean of the present ones (0 if none was present), never invented
+  per answer.
 
-The generator's own confidence (token log-probabilities) is not among the
-features: the generators here do not return it yet, and a feature that is not
-measured is not invented.
+Fitted by `d2r-edge eval answers` and `d2r-edge train --gate calibrated` on
+training queries (label: the first answer was wrong), saved as JSON with its
+feature list, version and fit statistics; loading refuses a file whose features
+are not the ones this code computes for the task.
 
-Fitted by `d2r-edge eval answers` on the training queries (label: the first
-answer was wrong), saved as JSON with its feature list, version and fit
-statistics; loading refuses a file whose features are not the ones this code
-computes for the task.
+The gate (`Gate`): `paper` repairs what Algorithm 1 flags; `calibrated` repairs
+when P(wrong) >= the detector's threshold (chosen on the training queries) and
+adds P(wrong) to the policy's context. Either way the failure *type*, and so the
+arms allowed, is Algorithm 1's.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +46,21 @@ from d2r_edge.errors import ConfigError
 from d2r_edge.eval.metrics import FEVER_CLASSES, normalize_answer
 from d2r_edge.signals import KGStatus
 
-FORMAT = "d2r-edge-detector/1"
+FORMAT = "d2r-edge-detector/2"
 _COMMON = ("q_ent_max", "q_con_max", "q_neu_min", "q_ent_mean", "q_con_mean", "q_margin_top", "q_bearing_share",
            "r_ent_max", "r_con_max", "r_neu_min", "r_ent_mean", "r_con_mean", "r_margin_top", "r_entailing_share",
-           "ret_top1", "ret_gap", "n_passages", "answer_len_log", "kg_conflict", "kg_consistent")
+           "ret_top1", "ret_gap", "n_passages", "answer_len_log", "kg_conflict", "kg_consistent",
+           "gen_logprobs_present", "gen_logprob_mean", "gen_logprob_min")
+REFIT = "refit it (d2r-edge train --gate calibrated, or d2r-edge eval answers)"
+# NaN when the generator gave no log-probabilities (imputed at scoring time, see the module docstring)
+MAY_BE_MISSING = ("gen_logprob_mean", "gen_logprob_min")
+
+
+class Gate(str, Enum):
+    """Which first answers get a repair: Algorithm 1's flags, or the calibrated P(wrong) >= threshold."""
+
+    PAPER = "paper"
+    CALIBRATED = "calibrated"
 
 
 def _label_feature(label: str) -> str:
@@ -82,6 +102,10 @@ def features(attempt, fact_verification: bool) -> dict[str, float]:
     out["answer_len_log"] = math.log1p(len(answer.split()))
     out["kg_conflict"] = float(d.kg is KGStatus.CONFLICT)
     out["kg_consistent"] = float(d.kg is KGStatus.CONSISTENT)
+    lp = getattr(attempt.generation, "logprobs", None)
+    out["gen_logprobs_present"] = float(bool(lp))
+    out["gen_logprob_mean"] = float(np.mean(lp)) if lp else math.nan
+    out["gen_logprob_min"] = float(np.min(lp)) if lp else math.nan
     if fact_verification:
         label = attempt.generation.label.value if attempt.generation.label is not None else "NOT ENOUGH INFO"
         for lab in FEVER_CLASSES:
@@ -119,9 +143,24 @@ class Detector:
     bias: float
     threshold: float
     fit_stats: dict = field(default_factory=dict)
+    impute: np.ndarray | None = None      # the value a missing (NaN) feature takes; None: 0
+
+    def _filled(self, x: np.ndarray) -> np.ndarray:
+        x = np.array(x, dtype=np.float64)
+        gaps = np.isnan(x)
+        if gaps.any():
+            fill = self.impute if self.impute is not None else np.zeros(x.shape[-1])
+            x[gaps] = np.broadcast_to(fill, x.shape)[gaps]
+        return x
 
     def p_wrong_many(self, x: np.ndarray) -> np.ndarray:
-        return _sigmoid(((np.asarray(x, dtype=np.float64) - self.mean) / self.scale) @ self.weights + self.bias)
+        return _sigmoid(((self._filled(x) - self.mean) / self.scale) @ self.weights + self.bias)
+
+    def assess(self, attempt, fact_verification: bool) -> tuple[float, dict[str, float]]:
+        """P(wrong) of one attempt and the signals behind it (missing ones NaN)."""
+        signals = features(attempt, fact_verification)
+        row = np.array([[signals[n] for n in self.names]], dtype=np.float64)
+        return float(self.p_wrong_many(row)[0]), signals
 
     @classmethod
     def fit(cls, x: np.ndarray, wrong: np.ndarray, names: tuple[str, ...], task: str, l2: float = 1.0,
@@ -134,6 +173,10 @@ class Detector:
         if len(y) < 10 or y.min() == y.max():
             raise ConfigError(f"detector fit needs right and wrong answers among >= 10 training queries "
                               f"(got {len(y)}, {int(y.sum())} wrong); give more --train queries")
+        present = ~np.isnan(x)
+        impute = np.array([float(x[present[:, j], j].mean()) if present[:, j].any() else 0.0
+                           for j in range(x.shape[1])])
+        x = np.where(present, x, impute)
         mean = x.mean(axis=0)
         scale = x.std(axis=0)
         scale[scale < 1e-9] = 1.0
@@ -157,12 +200,15 @@ class Detector:
         stats = {"n": int(len(y)), "n_wrong": int(y.sum()), "l2": l2, "log_loss": loss,
                  "balanced_accuracy_at_threshold": float(max(bal)),
                  "threshold_rule": "max balanced accuracy on fit data"}
-        return cls(tuple(names), task, mean, scale, w[:-1], float(w[-1]), t, stats)
+        stats["missing_share"] = {n: float(1 - present[:, j].mean()) for j, n in enumerate(names)
+                                  if n in MAY_BE_MISSING}
+        return cls(tuple(names), task, mean, scale, w[:-1], float(w[-1]), t, stats, impute)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "task": self.task, "features": list(self.names), "mean": self.mean.tolist(),
                 "scale": self.scale.tolist(), "weights": self.weights.tolist(), "bias": self.bias,
-                "threshold": self.threshold, "fit": self.fit_stats}
+                "threshold": self.threshold, "fit": self.fit_stats,
+                "impute": None if self.impute is None else self.impute.tolist()}
 
     def save(self, path: Path) -> None:
         path = Path(path)
@@ -176,16 +222,21 @@ class Detector:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read the detector {path}: {exc}; refit it with d2r-edge eval answers") from exc
+            raise ConfigError(f"cannot read the detector {path}: {exc}; {REFIT}") from exc
         want = feature_names(fact_verification)
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise ConfigError(f"{path} is not a {FORMAT} file; refit it with d2r-edge eval answers")
+            raise ConfigError(f"{path} is not a {FORMAT} file; {REFIT}")
         if tuple(raw.get("features") or ()) != want:
             raise ConfigError(f"{path} was fitted on other features ({len(raw.get('features') or [])} named, "
-                              f"this version computes {len(want)} for this task); refit it with d2r-edge eval answers")
-        arrays = {k: np.asarray(raw[k], dtype=np.float64) for k in ("mean", "scale", "weights")}
+                              f"this version computes {len(want)} for this task); {REFIT}")
+        try:
+            arrays = {k: np.asarray(raw[k] if k != "impute" else (raw.get(k) or [0.0] * len(want)), dtype=np.float64)
+                      for k in ("mean", "scale", "weights", "impute")}
+            float(raw["bias"]), float(raw["threshold"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{path} lacks a field or holds a non-number ({exc}); {REFIT}") from None
         if any(a.shape != (len(want),) or not np.all(np.isfinite(a)) for a in arrays.values()) or \
                 not all(math.isfinite(float(raw[k])) for k in ("bias", "threshold")):
-            raise ConfigError(f"{path} holds weights of the wrong shape or non-finite values; refit it")
+            raise ConfigError(f"{path} holds weights of the wrong shape or non-finite values; {REFIT}")
         return cls(want, str(raw.get("task")), arrays["mean"], arrays["scale"], arrays["weights"],
-                   float(raw["bias"]), float(raw["threshold"]), dict(raw.get("fit") or {}))
+                   float(raw["bias"]), float(raw["threshold"]), dict(raw.get("fit") or {}), arrays["impute"])

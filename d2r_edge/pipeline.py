@@ -11,8 +11,9 @@ import numpy as np
 
 from d2r_edge.budget import CostModel, Measurement, Meter
 from d2r_edge.config import Budget, RewardConfig
+from d2r_edge.detector import Detector, Gate
 from d2r_edge.diagnose import Diagnoser, Diagnosis, Label
-from d2r_edge.errors import RECOVERABLE
+from d2r_edge.errors import RECOVERABLE, ConfigError
 from d2r_edge.generate.base import Generation
 from d2r_edge.policy.explore import Explorer
 from d2r_edge.policy.features import ContextBuilder
@@ -72,6 +73,24 @@ class Pipeline:
     default: PipelineConfig = field(default_factory=PipelineConfig)
     memo: AttemptMemo | None = None
     arms: ArmAvailability = field(default_factory=ArmAvailability)   # what the loaded models can run
+    gate: Gate = Gate.PAPER
+    detector: Detector | None = None            # P(wrong): recorded when loaded, gates with Gate.CALIBRATED
+
+    def assess(self, first: Attempt) -> tuple[bool, float | None, dict | None]:
+        """(repair this first answer?, P(wrong), the signals behind it). `paper`: Alg. 1 named a
+        failure; `calibrated`: P(wrong) >= the detector's threshold, whatever Alg. 1 said."""
+        if self.detector is None:
+            if self.gate is Gate.CALIBRATED:
+                raise ConfigError("the calibrated gate needs a fitted detector: give --detector FILE (train "
+                                  "--gate calibrated writes one beside the policy), or use --gate paper")
+            return first.diagnosis.failure is not FailureType.NO_FAILURE, None, None
+        p, signals = self.detector.assess(first, self.task.fact_verification)
+        if self.gate is Gate.CALIBRATED:
+            return p >= self.detector.threshold, p, signals
+        return first.diagnosis.failure is not FailureType.NO_FAILURE, p, signals
+
+    def repairs(self, first: Attempt) -> bool:
+        return self.assess(first)[0]
 
     def allowed(self, first: Diagnosis) -> np.ndarray:
         """The arms that may repair this first answer: the UNVERIFIED rule and the loaded models."""
@@ -136,18 +155,24 @@ class Pipeline:
         first, _ = self.metered_attempt(query, self.default, q_vec, metered=False)
         first.timings_s["embed_query_s"] = first.timings_s.get("embed_query_s", embed_s)
         rec = {"first": first.summary(), "failure": first.diagnosis.failure.value, "repair": None}
+        repair, p_wrong, signals = self.assess(first)
+        rec["gate"] = self.gate.value
+        if p_wrong is not None:   # missing signals (no log-probabilities) are recorded as null
+            rec["p_wrong"] = p_wrong
+            rec["detector_threshold"] = self.detector.threshold
+            rec["detector_signals"] = {k: (None if v != v else v) for k, v in signals.items()}
         final = first
         allowed = self.allowed(first.diagnosis)
-        if first.diagnosis.failure is not FailureType.NO_FAILURE and not allowed.any():
+        if repair and not allowed.any():
             # no arm both allowed and runnable with the loaded models: the first answer stands
             rec["repair_skipped"] = {"reason": "no allowed arm can run with the loaded models",
                                      "unavailable": dict(self.arms.unavailable)}
-        elif first.diagnosis.failure is not FailureType.NO_FAILURE:
+        elif repair:
             # the first pass's recorded stage times, not the wall clock: a memoized first
             # attempt then builds the same context vector (remaining budget) as a live one
             spent_s = sum(first.timings_s.get(k, 0.0) for k in STAGES)
             try:
-                rec["repair"], final = self._repair(query, q_vec, first, allowed, learn, spent_s)
+                rec["repair"], final = self._repair(query, q_vec, first, allowed, learn, spent_s, p_wrong)
             except RECOVERABLE as exc:
                 # the repair pass failed (generator down, ...): the first answer stands, and says so
                 log.warning("repair of %r failed, keeping the first answer: %s", query[:60], exc)
@@ -167,12 +192,13 @@ class Pipeline:
         return a.generation.response
 
     def _repair(self, query: str, q_vec: np.ndarray, first: Attempt, allowed: np.ndarray, learn: bool,
-                spent_s: float) -> tuple[dict, Attempt]:
+                spent_s: float, p_wrong: float | None = None) -> tuple[dict, Attempt]:
         t0 = time.perf_counter()
         d = first.diagnosis
         remaining_s = max(0.0, self.budget.latency_s - spent_s)
         remaining_mib = max(0.0, self.budget.device_mem_mib - first.timings_s.get("mem_growth_mib", 0.0))
-        x = self.context.build(q_vec, d.failure, d.kg, d.e_q, d.e_r, remaining_s, remaining_mib, self.budget)
+        x = self.context.build(q_vec, d.failure, d.kg, d.e_q, d.e_r, remaining_s, remaining_mib, self.budget,
+                               p_wrong=p_wrong)
         masked = self.costs.mask(self.budget, allowed)
         if self.explorer is not None and learn:
             decision = self.explorer.decide(self.policy, x, masked.allowed)

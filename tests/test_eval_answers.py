@@ -310,3 +310,43 @@ def test_eval_on_ray_gives_the_local_records(tiny_models, fever_file, tmp_path):
     key = [sorted((json.loads(a)["query"], json.loads(a)["config"], json.loads(a)["cost"] is None) for a in x)
            for x in attempts]
     assert key[0] == key[1] and len(key[0]) > 12   # the same attempts, each stored once
+
+
+def test_the_calibrated_gate_repairs_by_p_wrong(tmp_path, tiny_models, fever_file, capsys):
+    """--gate calibrated: the detector is fitted on the training queries before any arm runs, and a
+    test query gets a repair exactly when its P(wrong) reaches the detector's threshold."""
+    from d2r_edge.onnx.encoders import NLI
+
+    out = tmp_path / "out"
+    real = NLI.score
+    exec(_HASH_NLI, {})
+    try:
+        args = _args(fever_file, tiny_models, out, "--gate", "calibrated",
+                     "--methods", "naive,best_fixed,oracle,linucb")
+        args[args.index("--train-limit") + 1] = "40"
+        assert main(args) == 0
+    finally:
+        NLI.score = real
+    s = json.loads((out / "summary.json").read_text())
+    det = json.loads((out / "detector.json").read_text())
+    tau = det["threshold"]
+    assert s["gate"] == {"name": "calibrated", "detector_threshold": tau}
+    assert s["detection"]["score"] == "calibrated" and s["detection"]["threshold"] == tau
+    assert det["fit"]["n"] == 40
+    naive = {r["id"]: r for r in _records(out, "naive")}
+    assert all(r["p_wrong"] is not None and "q_ent_max" in r["detector_signals"] for r in naive.values())
+    gated = {i for i, r in naive.items() if r["p_wrong"] >= tau}
+    assert s["detection"]["flagged"] == len(gated)
+    for m in ("best_fixed", "oracle", "linucb"):
+        for r in _records(out, m):
+            if r["repaired"]:
+                assert r["id"] in gated, (m, r["id"])
+    # the oracle tries every allowed arm of every gated query; an un-gated one keeps its first answer
+    oracle = _records(out, "oracle")
+    assert all(not r["repaired"] for r in oracle if r["id"] not in gated)
+    assert "This run's gate: `calibrated`" in (out / "report.md").read_text()
+    # the same --out under the other gate is another evaluation: refused rather than mixed
+    args = _args(fever_file, tiny_models, out, "--methods", "naive")
+    args[args.index("--train-limit") + 1] = "40"
+    assert main(args) == InputError.exit_code
+    assert "(gate differ)" in capsys.readouterr().err

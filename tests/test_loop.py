@@ -241,3 +241,33 @@ def test_generator_and_nli_read_titled_passages_unless_told_otherwise(world, tin
         assert all(x.title for x in a.passages)          # FEVER pages always have one
         assert gen.seen == [want]
         assert nli.premises == want + want               # e_q pairs, then e_r pairs
+
+
+def test_train_with_the_calibrated_gate_fits_the_detector_and_run_uses_it(world, tiny_models, tmp_path, capsys):
+    from d2r_edge.cli import main
+    from d2r_edge.errors import InputError
+    from d2r_edge.policy import LinUCB
+
+    _, kb_dir, qpath = world
+    policy = tmp_path / "p.npz"
+    common = ["--kb", str(kb_dir), "--task", "fever", "--models", str(tiny_models), "--allow-random-weights",
+              "--queries", str(qpath), "--limit", "30"]
+    assert main(["train", *common, "--out", str(tmp_path / "t.jsonl"), "--policy", str(policy),
+                 "--gate", "calibrated", "--epochs", "1"]) == 0
+    det = json.loads((tmp_path / "p.detector.json").read_text())      # beside the policy
+    assert det["fit"]["n"] == 30 and det["task"] == "fever"
+    pol = LinUCB.load(policy)
+    assert pol.context["p_wrong"] is True
+    records = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert all(r["gate"] == "calibrated" and (r["repair"] is not None) == (r["p_wrong"] >= det["threshold"])
+               for r in records)
+    # run finds the detector beside the policy; under the paper gate it still records p_wrong
+    assert main(["run", *common, "--out", str(tmp_path / "r.jsonl"), "--policy", str(policy),
+                 "--gate", "calibrated"]) == 0
+    assert all("p_wrong" in json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines())
+    capsys.readouterr()
+    assert main(["run", *common, "--out", str(tmp_path / "r2.jsonl"), "--gate", "calibrated"]) == InputError.exit_code
+    assert "needs a fitted detector" in capsys.readouterr().err
+    # a policy trained under the calibrated gate is refused under the paper gate (its contexts differ)
+    assert main(["run", *common, "--out", str(tmp_path / "r3.jsonl"), "--policy", str(policy)]) != 0
+    assert "--gate" in capsys.readouterr().err

@@ -37,6 +37,8 @@ def run_files(settings) -> dict[str, Path]:
     files = {"models manifest": settings.models / "manifest.json", "KB manifest": settings.kb / "manifest.json"}
     if settings.policy_path is not None and settings.policy_path.is_file():
         files["policy"] = settings.policy_path
+    if getattr(settings, "detector_path", None) is not None:
+        files["detector"] = settings.detector_path
     return files
 
 

@@ -23,8 +23,10 @@ from typing import Callable
 
 import numpy as np
 
+from d2r_edge.detector import Gate
 from d2r_edge.errors import InputError
 from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, Context, EvalSettings, Method, PolicySpec, parse_methods
+from d2r_edge.eval.detection import DETECTOR_FILE, fit_detector
 from d2r_edge.eval.methods import best_fixed_arm, run_method
 from d2r_edge.eval.outcomes import AttemptStore, CachedGenerator
 from d2r_edge.eval.querysets import EvalQuery, QuerySet, load_queryset
@@ -32,7 +34,7 @@ from d2r_edge.eval.report import write_report
 from d2r_edge.eval.split import Split
 from d2r_edge.repair import ARM_NAMES, ARMS
 from d2r_edge.retrieval.retriever import Retriever
-from d2r_edge.signals import Entailment, FailureType
+from d2r_edge.signals import Entailment
 from d2r_edge.tasks import Task
 
 # re-exported: the CLI and callers build settings and parse methods from here
@@ -138,7 +140,7 @@ def fingerprint(s: EvalSettings, kb_input_sha256: str) -> dict:
             "query_dim": run.query_dim, "epochs": s.epochs, "split": s.split.value,
             "train": [str(p) for p in s.train], "train_limit": s.train_limit,
             "test": [str(p) for p in s.test], "test_offset": s.test_offset,
-            "evidence_titles": run.evidence_titles, "arms": list(ARM_NAMES),
+            "evidence_titles": run.evidence_titles, "arms": list(ARM_NAMES), "gate": run.gate.value,
             "extra_docs": [str(p) for p in s.extra_docs], "kb_input_sha256": kb_input_sha256}
 
 
@@ -151,6 +153,7 @@ def _check_out(s: EvalSettings, kb_input_sha256: str) -> None:
         if "kb_input_sha256" not in have and stamp.is_file():
             # written before the digest was part of the settings: the KB's own stamp says it
             have["kb_input_sha256"] = stamp.read_text().strip()
+        have.setdefault("gate", "paper")     # written before the gate could be chosen
         if have.get("kb_input_sha256") != kb_input_sha256:
             raise InputError(f"{s.out} holds attempts computed on other documents: a --train, --test or "
                              f"--extra-docs file changed since (the stored passages would be decoded against "
@@ -180,7 +183,7 @@ def shared_pipeline(run, out: Path, generation_cache: Path | None, read_only: bo
 def compute_outcomes(p, text: str, every_arm: bool) -> None:
     """The first attempt of a query and, if it fails and `every_arm`, every allowed arm (into p.memo)."""
     first = p.metered_attempt(text, p.default, metered=False)[0]
-    if first.diagnosis.failure is FailureType.NO_FAILURE or not every_arm:
+    if not every_arm or not p.repairs(first):
         return
     for arm in np.flatnonzero(p.allowed(first.diagnosis)):
         p.metered_attempt(text, ARMS[int(arm)].apply(p.default))
@@ -211,13 +214,26 @@ def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Co
     p, store, gen = shared_pipeline(run, s.out, s.generation_cache)
     ctx = Context(s, p, store, gen, [q for qs in train_sets for q in qs.queries],
                   [q for qs in test_sets for q in qs.queries], kb.stats())
+    compute = attempts or compute_locally
+    if run.gate is Gate.CALIBRATED:
+        # the gate decides which queries are repaired, so the detector comes first: fitted on the
+        # training queries' first attempts, saved, and handed to the workers by file
+        compute(run, s, [(q.text, False) for q in ctx.train], ctx)
+        p.detector = fit_detector(ctx)
+        if p.detector is None:
+            raise InputError("--gate calibrated: the training queries cannot fit a detector (see the warning "
+                             "above); give more --train queries or use --gate paper")
+        run = replace(run, detector_path=s.out / DETECTOR_FILE)
     # every allowed arm of a failing query: on the test queries for the oracle and the arm
     # table, on the training queries for best_fixed; the policies pick among the same outcomes.
     every_arm = {q.id for q in ctx.test} if Method.ORACLE in s.methods or attempts is not None else set()
     if Method.BEST_FIXED in s.methods:
         every_arm |= {q.id for q in ctx.train}
     todo = [(q.text, q.id in every_arm) for q in ctx.train + ctx.test]
-    (attempts or compute_locally)(run, s, todo, ctx)
+    compute(run, s, todo, ctx)
+    if p.detector is None:
+        # Alg. 1's gate: the detector only scores (p_wrong in the records, its detection row)
+        p.detector = fit_detector(ctx)
     log.info("outcomes: %d stored attempts (%d generator calls, %d served from cache)",
              len(store), gen.calls, gen.hits)
     return ctx

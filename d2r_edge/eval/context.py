@@ -122,6 +122,10 @@ class Context:
     def arm_outcome(self, q: EvalQuery, arm: int):
         return self.pipeline.metered_attempt(q.text, ARMS[arm].apply(self.pipeline.default))
 
+    def repairs(self, first) -> bool:
+        """Whether the gate (Alg. 1's flags, or the calibrated detector) sends this first answer to repair."""
+        return self.pipeline.repairs(first)
+
     def allowed(self, first) -> np.ndarray:
         """The UNVERIFIED rule and the arms the loaded models can run (Pipeline.allowed)."""
         return self.pipeline.allowed(first.diagnosis)

@@ -29,6 +29,7 @@ from d2r_edge.errors import ConfigError
 from d2r_edge.signals import FailureType, KGStatus
 
 log = logging.getLogger(__name__)
+DETECTOR_FILE = "detector.json"
 
 
 def auroc(scores, wrong) -> float | None:
@@ -112,18 +113,19 @@ def fit_detector(ctx):
     except ConfigError as exc:
         log.warning("no calibrated detector: %s", exc)
         return None
-    det.save(ctx.settings.out / "detector.json")
+    det.save(ctx.settings.out / DETECTOR_FILE)
     return det
 
 
 def detection(ctx) -> list[dict]:
-    """One row per failure score over the test queries' first attempts."""
+    """One row per failure score over the test queries' first attempts (the detector is the one
+    open_context fitted on the training queries)."""
     from d2r_edge.detector import feature_matrix
 
     firsts, wrong = _first_attempts(ctx, ctx.test)
     flagged = [a.diagnosis.failure is not FailureType.NO_FAILURE for a in firsts]
     rows = [detection_row("alg1_nli", [alg1_score(a.diagnosis) for a in firsts], wrong, flagged)]
-    det = fit_detector(ctx)
+    det = ctx.pipeline.detector
     if det is not None:
         p = det.p_wrong_many(feature_matrix(firsts, ctx.settings.task.fact_verification))
         rows.append({**detection_row("calibrated", p, wrong, [x >= det.threshold for x in p]),

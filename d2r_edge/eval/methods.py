@@ -24,6 +24,7 @@ def _record(ctx: Context, q: EvalQuery, method: Method, first, final, arm: int |
     fa, la = ctx.answer(first), ctx.answer(final)
     c1, f1_first = ctx.score(q, fa)
     c2, f1_final = ctx.score(q, la)
+    _, p_wrong, signals = ctx.pipeline.assess(first)
     return {
         "id": q.id, "method": method.value, "first_failure": first.diagnosis.failure.value,
         "first_answer": fa, "final_answer": la, "first_correct": c1, "final_correct": c2,
@@ -38,13 +39,15 @@ def _record(ctx: Context, q: EvalQuery, method: Method, first, final, arm: int |
                                                       or cost.mem_growth_mib > budget.device_mem_mib),
         "gold": q.label if ctx.settings.task.fact_verification else list(q.answers),
         "first_passages": [p.doc_id for p in first.passages],
-        "gold_docs": sorted(q.gold_doc_ids), **(extra or {}),
+        "gold_docs": sorted(q.gold_doc_ids), "p_wrong": p_wrong,
+        "detector_signals": None if signals is None else {k: (None if v != v else v) for k, v in signals.items()},
+        **(extra or {}),
     }
 
 
 def _fixed(ctx: Context, q: EvalQuery, method: Method, arm: int) -> dict:
     first = ctx.first(q)
-    if first.diagnosis.failure is FailureType.NO_FAILURE or not ctx.allowed(first)[arm]:
+    if not ctx.repairs(first) or not ctx.allowed(first)[arm]:
         # a baseline whose arm the UNVERIFIED rule forbids, or the loaded models cannot run,
         # leaves the answer as it was
         why = ctx.pipeline.arms.reason(arm)
@@ -58,7 +61,7 @@ def _oracle(ctx: Context, q: EvalQuery) -> dict:
     """Post-hoc: every allowed arm is tried and the best outcome counts; keeping the first
     answer is a candidate too, so the oracle bounds every fixed-arm method from above."""
     first = ctx.first(q)
-    if first.diagnosis.failure is FailureType.NO_FAILURE:
+    if not ctx.repairs(first):
         return _record(ctx, q, Method.ORACLE, first, first, None, None, ctx.pipeline.budget)
     best = (ctx.score(q, ctx.answer(first)), 1, 0.0)
     choice = (first, None, None)
@@ -79,7 +82,7 @@ def arm_rewards(ctx: Context, queries: list[EvalQuery]) -> np.ndarray:
     p = ctx.pipeline
     for q in queries:
         first = ctx.first(q)
-        if first.diagnosis.failure is FailureType.NO_FAILURE:
+        if not ctx.repairs(first):
             continue
         for arm in np.flatnonzero(ctx.allowed(first)):
             a, cost = ctx.arm_outcome(q, int(arm))

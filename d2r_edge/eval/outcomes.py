@@ -49,7 +49,8 @@ def attempt_to_json(a: Attempt) -> dict:
         "passages": [[p.chunk_id, p.score] for p in a.passages],
         "generation": {"response": a.generation.response,
                        "label": a.generation.label.value if a.generation.label else None,
-                       "raw": a.generation.raw},
+                       "raw": a.generation.raw,
+                       "logprobs": None if a.generation.logprobs is None else list(a.generation.logprobs)},
         "diagnosis": {"failure": d.failure.value, "e_q": d.e_q.value, "e_r": d.e_r.value, "kg": d.kg.value,
                       "label": d.label.value if d.label else None,
                       "gated_label": d.gated_label.value if d.gated_label else None,
@@ -66,7 +67,14 @@ def attempt_from_json(row: dict, chunks: list[dict]) -> Attempt:
     g, d = row["generation"], row["diagnosis"]
     diag = Diagnosis(FailureType(d["failure"]), Entailment(d["e_q"]), Entailment(d["e_r"]), KGStatus(d["kg"]),
                      _label(d["label"]), _label(d["gated_label"]), d["nli_q"], d["nli_r"])
-    return Attempt(passages, Generation(g["response"], _label(g["label"]), g["raw"]), diag, dict(row["timings_s"]))
+    return Attempt(passages, Generation(g["response"], _label(g["label"]), g["raw"], logprobs=_logprobs(g)), diag,
+                   dict(row["timings_s"]))
+
+
+def _logprobs(row: dict) -> tuple[float, ...] | None:
+    """Stored answer-token log-probabilities; None where none were given (or rows written before them)."""
+    lp = row.get("logprobs")
+    return None if lp is None else tuple(float(v) for v in lp)
 
 
 def cost_to_json(m: Measurement | None) -> dict | None:
@@ -194,12 +202,13 @@ class CachedGenerator:
             # the replayed answer carries the time the real call took, so the attempt's
             # metered cost stays the generator's cost (rows written before this have none)
             return Generation(row["response"], _label(row["label"]), row["raw"],
-                              replayed_s=float(row.get("latency_s") or 0.0))
+                              replayed_s=float(row.get("latency_s") or 0.0), logprobs=_logprobs(row))
         self.calls += 1
         t0 = time.perf_counter()
         gen = self.inner.generate(task, style, query, passages)
         self.add({"key": key, "response": gen.response, "label": gen.label.value if gen.label else None,
-                  "raw": gen.raw, "latency_s": time.perf_counter() - t0})
+                  "raw": gen.raw, "latency_s": time.perf_counter() - t0,
+                  "logprobs": None if gen.logprobs is None else list(gen.logprobs)})
         return gen
 
     def add(self, row: dict) -> None:

@@ -140,10 +140,14 @@ def policy_picks(records: dict[str, list[dict]]) -> dict:
 
 def _detection(ctx: Context) -> dict:
     """`detection`: the row of the score the gate uses; `detection_scores`: every score's row."""
+    from d2r_edge.detector import Gate
     from d2r_edge.eval.detection import detection
 
     rows = detection(ctx)
-    return {"detection": rows[0], "detection_scores": rows}
+    p = ctx.pipeline
+    used = "calibrated" if p.gate is Gate.CALIBRATED else "alg1_nli"
+    gate = {"name": p.gate.value, "detector_threshold": p.detector.threshold if p.detector else None}
+    return {"gate": gate, "detection": next(r for r in rows if r["score"] == used), "detection_scores": rows}
 
 
 def summarize(ctx: Context, records: dict[str, list[dict]], extra: dict) -> dict:
@@ -184,7 +188,8 @@ def findings(summary: dict) -> list[str]:
                        f"({100 * (ms['oracle'][key] - base):+.1f} points over naive); the policies chase this bound.")
     det = summary.get("detection")
     if det and det["n_wrong"]:
-        out.append(f"- Detection: {det['n_wrong']} of {det['n']} first answers were wrong; Alg. 1 flagged "
+        gate = (summary.get("gate") or {}).get("name", "paper")
+        out.append(f"- Detection: {det['n_wrong']} of {det['n']} first answers were wrong; the `{gate}` gate flagged "
                    f"{det['flagged']}, {det['flagged_wrong']} of them wrong, so "
                    f"{det['n_wrong'] - det['flagged_wrong']} "
                    f"wrong answers were never offered a repair; `{det['score']}` AUROC "
@@ -288,7 +293,9 @@ def markdown(summary: dict) -> str:
                           str(r["n_wrong"]), str(r["flagged"]), str(r["flagged_wrong"])] for r in det])
         lines += ["", "AUROC: how often a wrong first answer scores above a right one (0.5: chance). "
                       "`alg1_nli`: 1 - min(max P(not neutral | passage, query), max P(entailed | passage, "
-                      "response)), the probabilities Algorithm 1 thresholds; flagged: Alg. 1 named a failure."]
+                      "response)), the probabilities Algorithm 1 thresholds; flagged: Alg. 1 named a failure. "
+                      "`calibrated`: the detector's P(wrong) (fitted on the training queries); flagged: P(wrong) "
+                      f">= its threshold. This run's gate: `{(summary.get('gate') or {}).get('name', 'paper')}`."]
     d = summary["diagnosis"]
     lines += ["", "## Table 4: diagnosis", ""]
     lines += _table(["first-pass failure", "queries", "share", "first answer right"],

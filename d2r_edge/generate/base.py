@@ -17,6 +17,9 @@ class Generation:
     label: Label | None        # fact verification only
     raw: str                   # what the generator returned, for the record
     replayed_s: float = 0.0    # > 0: served from a cache; the time the original call took
+    # log-probabilities of the answer's tokens as the server returned them; None: not given
+    # (the extractive generator, a server without `logprobs`, a cached answer from before)
+    logprobs: tuple[float, ...] | None = None
 
 
 class Generator(Protocol):

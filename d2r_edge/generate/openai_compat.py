@@ -5,13 +5,14 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
 import os
 import random
 import socket
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from d2r_edge.errors import ConfigError, D2RError
 from d2r_edge.generate.base import Generation, parse_output
@@ -38,6 +39,8 @@ class OpenAICompatible:
     max_tokens: int = 256
     temperature: float = 0.0
     json_mode: bool = True     # response_format json_object; dropped if the server rejects it
+    logprobs: bool = True      # ask for token log-probabilities (the failure detector's confidence
+                               # signal); dropped if the server rejects the parameter
     backoff_s: float = 0.5
     name: str = "openai"
 
@@ -67,6 +70,8 @@ class OpenAICompatible:
                 body = exc.read().decode("utf-8", "replace")[:300]
                 if exc.code == 400 and "response_format" in payload and rejects_json_mode(body):
                     raise _RejectedJSONMode(body) from None
+                if exc.code == 400 and payload.get("logprobs") and "logprob" in body.lower():
+                    raise _RejectedLogprobs(body) from None
                 last = f"HTTP {exc.code}: {body}"
                 if exc.code not in RETRY_STATUS:
                     break
@@ -92,26 +97,36 @@ class OpenAICompatible:
             payload["stop"] = stop
         if (self.json_mode if json_mode is None else json_mode) and self.json_mode:
             payload["response_format"] = {"type": "json_object"}
+        if self.logprobs:
+            payload["logprobs"] = True
         t0 = time.perf_counter()
-        try:
-            body = self._post(payload)
-        except _RejectedJSONMode:
-            log.info("server rejected response_format=json_object; asking without it from now on")
-            self.json_mode = False
-            payload.pop("response_format")
-            body = self._post(payload)
+        body = None
+        while body is None:
+            try:
+                body = self._post(payload)
+            except _RejectedJSONMode:
+                log.info("server rejected response_format=json_object; asking without it from now on")
+                self.json_mode = False
+                payload.pop("response_format")
+            except _RejectedLogprobs:
+                log.info("server rejected logprobs; asking without them from now on (the detector's "
+                         "confidence signal is then missing)")
+                self.logprobs = False
+                payload.pop("logprobs")
         try:
             text = body["choices"][0]["message"]["content"] or ""
         except (KeyError, IndexError, TypeError):
             raise GeneratorError(f"generator at {self.base_url} returned no choices: {str(body)[:200]}") from None
         usage = body.get("usage") or {}
         return ChatResult(text, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0, token_logprobs(body["choices"][0]))
 
     def generate(self, task: Task, style: PromptStyle, query: str, passages: list[str]) -> Generation:
         prompt = build_prompt(task, style, query, passages)
         out = self.complete([{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}])
-        return parse_output(task, out.text)
+        gen = parse_output(task, out.text)
+        answer = gen.label.value if task.fact_verification and gen.label is not None else gen.response
+        return replace(gen, logprobs=answer_logprobs(out.tokens, answer))
 
 
 @dataclass(frozen=True)
@@ -120,9 +135,50 @@ class ChatResult:
     prompt_tokens: int
     completion_tokens: int
     latency_s: float
+    tokens: tuple[tuple[str, float], ...] | None = None    # (token text, log-probability); None: not given
+
+
+def token_logprobs(choice: dict) -> tuple[tuple[str, float], ...] | None:
+    """The OpenAI chat format's `choices[0].logprobs.content` as (token, logprob) pairs; None when the
+    server sent none or something unreadable (a missing signal, never a made-up one)."""
+    content = (choice.get("logprobs") or {}).get("content") if isinstance(choice, dict) else None
+    if not isinstance(content, list) or not content:
+        return None
+    out = []
+    for item in content:
+        try:
+            lp = float(item["logprob"])
+            tok = str(item["token"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not math.isfinite(lp):
+            return None
+        out.append((tok, lp))
+    return tuple(out)
+
+
+def answer_logprobs(tokens: tuple[tuple[str, float], ...] | None, answer: str) -> tuple[float, ...] | None:
+    """Log-probabilities of the tokens that spell `answer` in the completion (its last occurrence:
+    the JSON value comes after the key); all tokens when the answer is not found verbatim."""
+    if not tokens:
+        return None
+    text = "".join(t for t, _ in tokens)
+    start = text.rfind(answer) if answer else -1
+    if start < 0:
+        return tuple(lp for _, lp in tokens)
+    end, pos, out = start + len(answer), 0, []
+    for tok, lp in tokens:
+        if pos < end and pos + len(tok) > start:
+            out.append(lp)
+        pos += len(tok)
+    return tuple(out) or tuple(lp for _, lp in tokens)
 
 
 class _RejectedJSONMode(Exception):
+    pass
+
+
+class _RejectedLogprobs(Exception):
     pass
 
 

@@ -2,7 +2,8 @@
 
 x = [projected query embedding, failure one-hot (5), KG status one-hot (5),
 e_q one-hot (3), e_r one-hot (3), remaining latency and memory budget as
-fractions in [0, 1] (2), bias (1)].
+fractions in [0, 1] (2), bias (1)]; with the calibrated gate
+(`ContextConfig.p_wrong`) the detector's P(wrong) comes before the bias.
 """
 
 from __future__ import annotations
@@ -40,12 +41,15 @@ class ContextBuilder:
         """How x is built: saved in a policy file, so a policy is never scored on contexts
         built another way (another projection seed, size or embedder)."""
         c = self.cfg
-        return {"features": "appendix-b/v1", "embedding_dim": c.embedding_dim, "query_dim": c.query_dim,
+        spec = {"features": "appendix-b/v1", "embedding_dim": c.embedding_dim, "query_dim": c.query_dim,
                 "projection_seed": c.projection_seed, "embedder": c.embedder_id}
+        if c.p_wrong:       # only then: policies saved before the gate existed keep matching
+            spec["p_wrong"] = True
+        return spec
 
     def build(self, query_embedding: np.ndarray, failure: FailureType, kg: KGStatus,
               e_q: Entailment, e_r: Entailment, remaining_latency_s: float,
-              remaining_mem_mib: float, budget: Budget) -> np.ndarray:
+              remaining_mem_mib: float, budget: Budget, p_wrong: float | None = None) -> np.ndarray:
         q = np.asarray(query_embedding, dtype=np.float64)
         if q.shape != (self.cfg.embedding_dim,) or not np.isfinite(q).all():
             raise PolicyError(
@@ -67,5 +71,12 @@ class ContextBuilder:
         k += len(_ENT)
         x[k] = float(np.clip(remaining_latency_s / budget.latency_s, 0.0, 1.0))
         x[k + 1] = float(np.clip(remaining_mem_mib / budget.device_mem_mib, 0.0, 1.0))
-        x[k + 2] = 1.0
+        k += 2
+        if self.cfg.p_wrong:
+            if p_wrong is None or not np.isfinite(p_wrong):
+                raise PolicyError("this context has a P(wrong) feature (the calibrated gate) but none was given; "
+                                  "load the detector (--gate calibrated --detector FILE)")
+            x[k] = float(np.clip(p_wrong, 0.0, 1.0))
+            k += 1
+        x[k] = 1.0
         return x
