@@ -92,6 +92,11 @@ def test_fever_claims_through_a_real_server(server, tiny_models, shared_data, tm
     assert all(r["error"] is None for r in log.records), [r["error"] for r in log.records]
     labels = [r["first"]["label"] for r in log.records]
     assert any(lab in ("SUPPORTS", "REFUTES", "NOT ENOUGH INFO") for lab in labels), labels
+    # the server's token log-probabilities reach the generation (the detector's confidence signal)
+    from d2r_edge.repair import PromptStyle
+
+    g = p.generator.generate(Task.FEVER, PromptStyle.SIMPLE, "Paris is in France.", ["France\nParis is in France."])
+    assert g.logprobs and all(lp <= 0.0 for lp in g.logprobs), g
 
 
 def test_eval_answers_qa_through_a_real_server(server, tiny_models, shared_data, tmp_path):

@@ -98,7 +98,8 @@ class OpenAICompatible:
         if (self.json_mode if json_mode is None else json_mode) and self.json_mode:
             payload["response_format"] = {"type": "json_object"}
         if self.logprobs:
-            payload["logprobs"] = True
+            # top_logprobs too: llama-cpp-python's server returns none for logprobs=true alone
+            payload["logprobs"], payload["top_logprobs"] = True, 1
         t0 = time.perf_counter()
         body = None
         while body is None:
@@ -113,6 +114,7 @@ class OpenAICompatible:
                          "confidence signal is then missing)")
                 self.logprobs = False
                 payload.pop("logprobs")
+                payload.pop("top_logprobs")
         try:
             text = body["choices"][0]["message"]["content"] or ""
         except (KeyError, IndexError, TypeError):
