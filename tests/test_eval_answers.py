@@ -333,6 +333,8 @@ def test_the_calibrated_gate_repairs_by_p_wrong(tmp_path, tiny_models, fever_fil
     assert s["gate"] == {"name": "calibrated", "detector_threshold": tau}
     assert s["detection"]["score"] == "calibrated" and s["detection"]["threshold"] == tau
     assert det["fit"]["n"] == 40
+    cv = s["detection_train_cv"]       # what a choice between the gates reads: training queries only
+    assert cv["n"] == 40 and 0.0 <= cv["calibrated_auroc"] <= 1.0 and 0.0 <= cv["alg1_nli_auroc"] <= 1.0
     naive = {r["id"]: r for r in _records(out, "naive")}
     assert all(r["p_wrong"] is not None and "q_ent_max" in r["detector_signals"] for r in naive.values())
     gated = {i for i, r in naive.items() if r["p_wrong"] >= tau}

@@ -117,6 +117,32 @@ def fit_detector(ctx):
     return det
 
 
+def train_cross_validation(ctx, folds: int = 5) -> dict | None:
+    """Detection measured on the training queries only (never the test slice): Alg. 1's score and the
+    detector's out-of-fold P(wrong) (refitted on the other folds, queries in a seeded order). What a
+    choice between the gates may read; None when the training queries are too few to split."""
+    from d2r_edge.detector import Detector, feature_matrix, feature_names
+
+    fv = ctx.settings.task.fact_verification
+    firsts, wrong = _first_attempts(ctx, ctx.train)
+    if len(firsts) < 5 * folds or wrong.all() or not wrong.any():
+        return None
+    x = feature_matrix(firsts, fv)
+    fold = np.random.default_rng(0).permutation(len(firsts)) % folds
+    out = np.full(len(firsts), np.nan)
+    for k in range(folds):
+        held = fold == k
+        try:
+            det = Detector.fit(x[~held], wrong[~held], feature_names(fv), ctx.settings.task.value)
+        except ConfigError:
+            return None
+        out[held] = det.p_wrong_many(x[held])
+    return {"n": int(len(wrong)), "n_wrong": int(wrong.sum()), "folds": folds,
+            "alg1_nli_auroc": auroc([alg1_score(a.diagnosis) for a in firsts], wrong),
+            "calibrated_auroc": auroc(out, wrong), "calibrated_auprc": auprc(out, wrong),
+            "alg1_nli_auprc": auprc([alg1_score(a.diagnosis) for a in firsts], wrong)}
+
+
 def detection(ctx) -> list[dict]:
     """One row per failure score over the test queries' first attempts (the detector is the one
     open_context fitted on the training queries)."""

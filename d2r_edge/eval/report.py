@@ -141,13 +141,14 @@ def policy_picks(records: dict[str, list[dict]]) -> dict:
 def _detection(ctx: Context) -> dict:
     """`detection`: the row of the score the gate uses; `detection_scores`: every score's row."""
     from d2r_edge.detector import Gate
-    from d2r_edge.eval.detection import detection
+    from d2r_edge.eval.detection import detection, train_cross_validation
 
     rows = detection(ctx)
     p = ctx.pipeline
     used = "calibrated" if p.gate is Gate.CALIBRATED else "alg1_nli"
     gate = {"name": p.gate.value, "detector_threshold": p.detector.threshold if p.detector else None}
-    return {"gate": gate, "detection": next(r for r in rows if r["score"] == used), "detection_scores": rows}
+    return {"gate": gate, "detection": next(r for r in rows if r["score"] == used), "detection_scores": rows,
+            "detection_train_cv": train_cross_validation(ctx)}
 
 
 def summarize(ctx: Context, records: dict[str, list[dict]], extra: dict) -> dict:
@@ -296,6 +297,11 @@ def markdown(summary: dict) -> str:
                       "response)), the probabilities Algorithm 1 thresholds; flagged: Alg. 1 named a failure. "
                       "`calibrated`: the detector's P(wrong) (fitted on the training queries); flagged: P(wrong) "
                       f">= its threshold. This run's gate: `{(summary.get('gate') or {}).get('name', 'paper')}`."]
+        cv = summary.get("detection_train_cv")
+        if cv:
+            lines += ["", f"On the {cv['n']} training queries ({cv['n_wrong']} wrong first answers; {cv['folds']}-fold "
+                          f"cross-validation for the detector, never the test slice): AUROC `alg1_nli` "
+                          f"{_num(cv['alg1_nli_auroc'], '.3f')}, `calibrated` {_num(cv['calibrated_auroc'], '.3f')}."]
     d = summary["diagnosis"]
     lines += ["", "## Table 4: diagnosis", ""]
     lines += _table(["first-pass failure", "queries", "share", "first answer right"],
