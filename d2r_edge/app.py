@@ -180,6 +180,7 @@ def fit_detector_on_queries(pipeline: Pipeline, queries, path: Path) -> Detector
     gold answers; unlabeled ones are skipped) and saved to `path`. The first attempts are computed
     here and again when the policy trains (they are not kept: a refresh arm changes the KB)."""
     from d2r_edge.detector import feature_matrix, feature_names
+    from d2r_edge.eval.detection import first_answer
     from d2r_edge.runner import correct
 
     fv = pipeline.task.fact_verification
@@ -189,9 +190,8 @@ def fit_detector_on_queries(pipeline: Pipeline, queries, path: Path) -> Detector
         if (q.label if fv else q.answer) is None:
             continue
         a, _ = pipeline.metered_attempt(q.text, pipeline.default, pipeline.retriever.embed(q.text), metered=False)
-        label = a.generation.label.value if fv and a.generation.label is not None else "NOT ENOUGH INFO"
         attempts.append(a)
-        wrong.append(not correct(pipeline.task, gold, label if fv else a.generation.response))
+        wrong.append(not correct(pipeline.task, gold, first_answer(fv, a)))
     if not attempts:
         raise ConfigError("--gate calibrated fits its detector on labeled queries (FEVER label / QA answer), "
                           "and none of the training queries has one; add labels or use --gate paper")

@@ -87,9 +87,9 @@ def detection_row(name: str, scores, wrong, flagged) -> dict:
             "n_wrong": int(wrong.sum()), "flagged": int(flagged.sum()), "flagged_wrong": int((flagged & wrong).sum())}
 
 
-def first_answer(ctx, attempt) -> str:
+def first_answer(fact_verification: bool, attempt) -> str:
     """The generator's answer before the UNVERIFIED gate."""
-    if ctx.settings.task.fact_verification:
+    if fact_verification:
         label = attempt.generation.label
         return label.value if label is not None else "NOT ENOUGH INFO"
     return attempt.generation.response
@@ -97,7 +97,8 @@ def first_answer(ctx, attempt) -> str:
 
 def _first_attempts(ctx, queries) -> tuple[list, np.ndarray]:
     firsts = [ctx.first(q) for q in queries]
-    wrong = np.array([ctx.score(q, first_answer(ctx, a))[0] < 1.0 for q, a in zip(queries, firsts)], dtype=bool)
+    fv = ctx.settings.task.fact_verification
+    wrong = np.array([ctx.score(q, first_answer(fv, a))[0] < 1.0 for q, a in zip(queries, firsts)], dtype=bool)
     return firsts, wrong
 
 
