@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from d2r_edge import jsonl
 from d2r_edge.errors import RECOVERABLE, InputError
 from d2r_edge.tasks import Task
 
@@ -43,11 +44,18 @@ def load_queries(path: Path) -> list[Query]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = jsonl.loads(line)
             qid = str(row.get("id", row.get("_id")))
             text = row.get("claim") or row.get("question")
             if row.get("id", row.get("_id")) is None or not isinstance(text, str) or not text.strip():
                 raise ValueError("needs id/_id and a non-empty claim or question")
+            label, answer = row.get("label"), row.get("answer")
+            if label is not None and not isinstance(label, str):
+                raise ValueError(f"label must be a string, got {type(label).__name__}")
+            if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+                answer = str(answer)            # a year or a count written as a number
+            elif answer is not None and not isinstance(answer, str):
+                raise ValueError(f"answer must be a string, got {type(answer).__name__}")
         except (json.JSONDecodeError, ValueError, AttributeError) as exc:
             bad.append((n, str(exc)[:80]))
             continue
@@ -55,7 +63,7 @@ def load_queries(path: Path) -> list[Query]:
             bad.append((n, f"duplicate id {qid!r}"))
             continue
         seen.add(qid)
-        out.append(Query(qid, text, row.get("label"), row.get("answer")))
+        out.append(Query(qid, text, label, answer))
     for n, why in bad:
         log.warning("%s line %d skipped: %s", path, n, why)
     if not out:
@@ -73,7 +81,7 @@ def read_records(path: Path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                out.append(json.loads(line))
+                out.append(jsonl.loads(line))
             except json.JSONDecodeError:
                 break
     return out
@@ -105,7 +113,7 @@ class RecordLog:
                 end = pos + len(raw) + 1
                 if raw.strip():
                     try:
-                        self.records.append(json.loads(raw))
+                        self.records.append(jsonl.loads(raw))
                     except json.JSONDecodeError:
                         keep = pos  # torn write from a crash: drop it and everything after
                         break

@@ -26,6 +26,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Iterator
 
+from d2r_edge import jsonl
 from d2r_edge.doctor.trajectory import Trajectory, TrajectoryBuilder
 from d2r_edge.errors import InputError
 
@@ -176,25 +177,30 @@ def parse_file(path: Path, fmt: TrajectoryFormat = TrajectoryFormat.AUTO) -> Par
     if not path.is_file():
         raise InputError(f"no trajectory file at {path}")
     out, issues, undetected = [], [], None
-    with open(path, encoding="utf-8") as fh:
-        for line, text in enumerate(fh, 1):
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-                if not isinstance(row, dict):
-                    raise ParseError("a JSON object per line is expected")
-                if fmt is TrajectoryFormat.AUTO:       # the first readable record decides
-                    try:
-                        fmt = detect(row)
-                    except InputError as exc:
-                        undetected = exc
-                        raise
-                out.append(_PARSERS[fmt](row, line))
-            except InputError as exc:
-                issues.append(ParseIssue(line, str(exc)))
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
-                issues.append(ParseIssue(line, f"{type(exc).__name__}: {exc}"))
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path} is not UTF-8 ({exc.reason} at byte {exc.start}); re-encode it") from None
+    except OSError as exc:
+        raise InputError(f"cannot read trajectory file {path}: {exc}") from None
+    for line, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            row = jsonl.loads(text)
+            if not isinstance(row, dict):
+                raise ParseError("a JSON object per line is expected")
+            if fmt is TrajectoryFormat.AUTO:       # the first readable record decides
+                try:
+                    fmt = detect(row)
+                except InputError as exc:
+                    undetected = InputError(f"{path} line {line}: {exc}")
+                    raise
+            out.append(_PARSERS[fmt](row, line))
+        except InputError as exc:
+            issues.append(ParseIssue(line, str(exc)))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+            issues.append(ParseIssue(line, f"{type(exc).__name__}: {exc}"))
     if not out:
         if undetected is not None:
             raise undetected

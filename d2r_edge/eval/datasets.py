@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from d2r_edge import jsonl
 from d2r_edge.retrieval.docs import Document
 
 
@@ -15,7 +16,7 @@ def _jsonl(path: Path, limit: int | None = None):
             if limit is not None and i >= limit:
                 return
             if line.strip():
-                yield json.loads(line)
+                yield jsonl.loads(line)
 
 
 # FEVER escapes brackets and colons in page titles

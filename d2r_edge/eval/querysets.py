@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from d2r_edge import jsonl
 from d2r_edge.errors import InputError
 from d2r_edge.eval.datasets import fever_title
 from d2r_edge.eval.split import Split
@@ -130,7 +131,7 @@ def load_queryset(path: Path | str, split: Split = Split.ALL, limit: int | None 
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = jsonl.loads(line)
         except json.JSONDecodeError:
             bad += 1
             continue
@@ -147,7 +148,9 @@ def load_queryset(path: Path | str, split: Split = Split.ALL, limit: int | None 
                     "{id, question, answer, paragraphs}")
         try:
             q = _READERS[layout](row, docs)
-        except (KeyError, TypeError, ValueError) as exc:
+            if not isinstance(q.text, str) or not all(isinstance(a, str) for a in q.answers):
+                raise TypeError("the question and the answers must be strings")
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:   # a row of other shapes
             bad += 1
             if bad <= 3:
                 import logging

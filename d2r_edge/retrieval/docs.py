@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from d2r_edge import jsonl
 from d2r_edge.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def read_documents(path: Path, known_ids: set[str] | None = None) -> ReadReport:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = jsonl.loads(line)
         except json.JSONDecodeError as exc:
             bad.append((lineno, f"invalid JSON ({exc.msg})"))
             continue

@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from d2r_edge import jsonl
 from d2r_edge.errors import D2RError, InputError
 from d2r_edge.retrieval.bm25 import BM25Config, BM25Index
 from d2r_edge.retrieval.chunker import ChunkConfig, Chunker
@@ -133,7 +134,7 @@ class KnowledgeBase:
         if not path.is_file():
             raise KBError(f"no KB at {directory}; build one with d2r-edge index build")
         try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
+            manifest = jsonl.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise KBError(f"{path} is not valid JSON ({exc}); rebuild the KB") from None
         if manifest.get("format_version") != KB_FORMAT_VERSION:
@@ -149,7 +150,7 @@ class KnowledgeBase:
                     f"(--models, variant) or rebuild the KB with these"
                 )
         with open(directory / "chunks.jsonl", encoding="utf-8") as fh:
-            chunks = [json.loads(line) for line in fh]
+            chunks = [jsonl.loads(line) for line in fh]
         dense = DenseIndex.load(directory, manifest["embedder"]["dim"], cfg.hnsw, manifest["hnsw"]["ef"])
         bm25 = BM25Index.load(directory / "bm25.npz")
         for delta in manifest.get("deltas", []):      # refreshes since the base files were written
@@ -181,7 +182,7 @@ class KnowledgeBase:
         work = directory.with_name(directory.name + ".partial")
         if work.exists():
             try:
-                same = json.loads((work / "plan.json").read_text()) == plan
+                same = jsonl.loads((work / "plan.json").read_text()) == plan
             except (OSError, json.JSONDecodeError):
                 same = False
             if not same:
@@ -192,7 +193,7 @@ class KnowledgeBase:
         chunks_path = work / "chunks.jsonl"
         if chunks_path.is_file():
             with open(chunks_path, encoding="utf-8") as fh:
-                chunks = [json.loads(line) for line in fh]
+                chunks = [jsonl.loads(line) for line in fh]
             log.info("resuming the build in %s", work)
         else:
             chunker = Chunker(embedder.tokenizer, cfg.chunk)
@@ -300,7 +301,7 @@ class KnowledgeBase:
         if not path.is_file():
             return set()
         with open(path, encoding="utf-8") as fh:
-            return {str(json.loads(line)["id"]) for line in fh if line.strip()}
+            return {str(jsonl.loads(line)["id"]) for line in fh if line.strip()}
 
     def refresh(self, embedder, extra: list[Document] | None = None, persist: bool = False) -> int:
         """Ingest the queue (and `extra` documents), append-only; returns the documents added.
@@ -417,7 +418,7 @@ _BASE_FILES = {MANIFEST, "chunks.jsonl", "docs.jsonl", "embeddings.npy", "hnsw.b
 def _read_delta(path: Path, entry: dict) -> tuple[list[dict], np.ndarray]:
     try:
         with open(path / "chunks.jsonl", encoding="utf-8") as fh:
-            chunks = [json.loads(line) for line in fh]
+            chunks = [jsonl.loads(line) for line in fh]
         vectors = np.load(path / "embeddings.npy", allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise KBError(f"cannot read the KB's delta shard {path} ({exc}); rebuild the KB") from None
