@@ -21,7 +21,7 @@ import numpy as np
 
 from d2r_edge.config import Budget
 from d2r_edge.errors import PolicyError
-from d2r_edge.policy.state import check_arm, load_npz, save_npz
+from d2r_edge.policy.state import check_arm, load_npz, save_npz, stored_array, stored_scalar
 
 log = logging.getLogger(__name__)
 
@@ -251,12 +251,17 @@ class CostModel:
     @classmethod
     def load(cls, path: Path | str) -> "CostModel":
         z = load_npz(path, "costs")
-        cm = cls(int(z["n_arms"]), window=int(z["window"]), quantile=float(z["quantile"]),
-                 min_observations=int(z["min_observations"]))
-        for name in ("count", "mean", "m2", "recent"):
-            if z[name].shape != getattr(cm, name).shape:
-                from d2r_edge.errors import PolicyFileError
-
-                raise PolicyFileError(f"{path}: {name} has shape {z[name].shape}")
-            getattr(cm, name)[:] = z[name]
+        n, window = stored_scalar(z, path, "n_arms", int, 1, 10_000), stored_scalar(z, path, "window", int, 1, 100_000)
+        cm = cls(n, window=window, quantile=stored_scalar(z, path, "quantile", float, 1e-9, 1.0),
+                 min_observations=stored_scalar(z, path, "min_observations", int, 1))
+        cm.count[:] = stored_array(z, path, "count", (n,), counts=True)
+        cm.mean[:] = stored_array(z, path, "mean", (n, 2))
+        cm.m2[:] = stored_array(z, path, "m2", (n, 2))
+        recent = stored_array(z, path, "recent", (n, window, 2), finite=False)   # NaN: an empty slot
+        held = (~np.isnan(recent[:, :, 0])).sum(axis=1)
+        if np.isinf(recent).any() or (recent < 0).any() or not np.array_equal(held, np.minimum(cm.count, window)):
+            raise PolicyError(f"{path}: negative, infinite or missing costs stored (the window does not hold "
+                              f"the observations the counts say); the file is damaged: restore it or delete it "
+                              f"(costs are learned again)")
+        cm.recent[:] = recent
         return cm

@@ -36,6 +36,9 @@ from d2r_edge.policy.state import (
     context_from,
     load_npz,
     save_npz,
+    stored_array,
+    stored_names,
+    stored_scalar,
 )
 
 log = logging.getLogger(__name__)
@@ -255,21 +258,28 @@ class LinUCB:
              arm_names: list[str] | None = None) -> "LinUCB":
         """Load a saved policy; `dim` / `arm_names`, when given, must match the file."""
         z = load_npz(path, KIND, expect_dim=dim, expect_arms=arm_names)
-        pol = cls(int(z["n_arms"]), int(z["dim"]), float(z["alpha"]),
-                  reinvert_every=int(z["reinvert_every"]), arm_names=[str(a) for a in z["arm_names"]])
-        shapes = {"A": pol.A.shape, "A_inv": pol.A_inv.shape, "b": pol.b.shape,
-                  "theta": pol.theta.shape, "counts": pol.counts.shape}
-        for name, shape in shapes.items():
-            if z[name].shape != shape:
-                from d2r_edge.errors import PolicyFileError
+        # every entry checked before anything is allocated from it (a damaged dim must not ask for TiBs)
+        n, d = stored_scalar(z, path, "n_arms", int, 1, 10_000), stored_scalar(z, path, "dim", int, 1, 100_000)
+        names = stored_names(z, path, n)
+        arrays = {"A": stored_array(z, path, "A", (n, d, d)), "A_inv": stored_array(z, path, "A_inv", (n, d, d)),
+                  "b": stored_array(z, path, "b", (n, d)), "theta": stored_array(z, path, "theta", (n, d)),
+                  "counts": stored_array(z, path, "counts", (n,), counts=True),
+                  "since_reinvert": stored_array(z, path, "since_reinvert", (n,), counts=True)}
+        with np.errstate(all="ignore"):
+            residual = np.abs(arrays["A"] @ arrays["A_inv"] - np.eye(d)).max(initial=0.0)
+        if not residual <= 1e-3 or np.abs(arrays["A_inv"]).max(initial=0.0) > 1e30:
+            from d2r_edge.errors import PolicyFileError
 
-                raise PolicyFileError(f"{path}: {name} has shape {z[name].shape}, expected {shape}")
-        pol.A[:] = z["A"]
-        pol.A_inv[:] = z["A_inv"]
+            raise PolicyFileError(f"{path}: A_inv is not the inverse of A (max |A A_inv - I| = {residual:.3g}); the "
+                                  f"file is damaged: restore it or retrain")
+        pol = cls(n, d, stored_scalar(z, path, "alpha", float, 0.0),
+                  reinvert_every=stored_scalar(z, path, "reinvert_every", int, 0), arm_names=names)
+        pol.A[:] = arrays["A"]
+        pol.A_inv[:] = arrays["A_inv"]
         pol._a_inv32[:] = pol.A_inv
-        pol.b[:] = z["b"]
-        pol.theta[:] = z["theta"]
-        pol.counts[:] = z["counts"]
-        pol._since_reinvert[:] = z["since_reinvert"]
+        pol.b[:] = arrays["b"]
+        pol.theta[:] = arrays["theta"]
+        pol.counts[:] = arrays["counts"]
+        pol._since_reinvert[:] = arrays["since_reinvert"]
         pol.context = context_from(z)
         return pol

@@ -93,20 +93,25 @@ def load_npz(path: Path | str, kind: str, *, expect_dim: int | None = None,
             f"{path} is not a readable policy file ({type(exc).__name__}: {exc}); it may be "
             f"truncated: restore it or train again"
         ) from None
-    version = int(data.get("format_version", -1))
+    try:
+        version = int(data.get("format_version", -1))
+    except (TypeError, ValueError, OverflowError):
+        version = -1
     if version != POLICY_FORMAT_VERSION:
         raise PolicyFileError(
             f"{path}: policy format {version}, this d2r-edge reads {POLICY_FORMAT_VERSION}; retrain"
         )
     if str(data.get("kind")) != kind:
         raise PolicyFileError(f"{path} holds a {data.get('kind')!s} policy, not {kind}")
-    if expect_dim is not None and "dim" in data and int(data["dim"]) != expect_dim:
+    if expect_dim is not None and "dim" in data and stored_scalar(data, path, "dim") != expect_dim:
         raise PolicyFileError(
             f"{path}: policy context dim {int(data['dim'])} differs from the configured {expect_dim}; "
             f"use the context settings it was trained with or retrain"
         )
-    if expect_arms is not None and [str(a) for a in data["arm_names"]] != list(expect_arms):
-        have, want = [str(a) for a in data["arm_names"]], list(expect_arms)
+    if expect_arms is not None and "arm_names" not in data:
+        raise _damaged(path, "no 'arm_names' entry")
+    if expect_arms is not None and [str(a) for a in np.atleast_1d(data["arm_names"])] != list(expect_arms):
+        have, want = [str(a) for a in np.atleast_1d(data["arm_names"])], list(expect_arms)
         if len(have) != len(want):
             added = [a for a in want if a not in have]
             raise PolicyFileError(
@@ -116,6 +121,54 @@ def load_npz(path: Path | str, kind: str, *, expect_dim: int | None = None,
             )
         raise PolicyFileError(f"{path}: policy arms {have} differ from {want}; retrain it with `d2r-edge train`")
     return data
+
+
+def _damaged(path, what: str) -> PolicyFileError:
+    return PolicyFileError(f"{path}: {what}; the file is damaged or was not written by d2r-edge: restore it or retrain")
+
+
+def stored_scalar(data: dict[str, np.ndarray], path, key: str, kind: type = int, low: float | None = None,
+                  high: float | None = None):
+    """A 0-d entry of a policy file as `kind`, finite and within [low, high], or PolicyFileError."""
+    if key not in data:
+        raise _damaged(path, f"no {key!r} entry")
+    a = data[key]
+    try:
+        if a.ndim != 0 or a.dtype.kind not in "iuf":
+            raise ValueError
+        value = kind(a)
+        if not np.isfinite(float(value)):
+            raise ValueError
+    except (ValueError, TypeError, OverflowError):
+        raise _damaged(path, f"{key!r} is not a finite number ({a.dtype}, shape {a.shape})") from None
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise _damaged(path, f"{key!r} = {value!r} is outside [{low}, {high}]")
+    return value
+
+
+def stored_array(data: dict[str, np.ndarray], path, key: str, shape: tuple, finite: bool = True,
+                 positive: bool = False, counts: bool = False) -> np.ndarray:
+    """A numeric entry of a policy file with exactly `shape` (finite, > 0 when asked; `counts`: integers
+    >= 0), or PolicyFileError."""
+    if key not in data:
+        raise _damaged(path, f"no {key!r} entry")
+    a = data[key]
+    if a.dtype.kind not in ("iu" if counts else "iuf") or a.shape != tuple(shape):
+        raise _damaged(path, f"{key!r} has shape {a.shape} ({a.dtype}), expected {tuple(shape)} "
+                             f"{'counts' if counts else 'numbers'}")
+    if counts and (a < 0).any():
+        raise _damaged(path, f"{key!r} holds negative counts")
+    if finite and not np.isfinite(a).all():
+        raise _damaged(path, f"{key!r} holds NaN/inf")
+    if positive and not (a > 0).all():
+        raise _damaged(path, f"{key!r} holds values <= 0")
+    return a
+
+
+def stored_names(data: dict[str, np.ndarray], path, n: int) -> list[str]:
+    if "arm_names" not in data or data["arm_names"].dtype.kind != "U" or data["arm_names"].shape != (n,):
+        raise _damaged(path, f"'arm_names' is not a list of {n} names")
+    return [str(a) for a in data["arm_names"]]
 
 
 def context_arrays(context: dict | None) -> dict[str, np.ndarray]:
@@ -129,7 +182,7 @@ def context_from(data: dict[str, np.ndarray]) -> dict | None:
         return None
     try:
         spec = json.loads(str(data["context_json"]))
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         raise PolicyFileError("the policy file's context spec is not valid JSON; retrain it") from None
     if not isinstance(spec, dict):
         raise PolicyFileError("the policy file's context spec is not an object; retrain it")

@@ -16,6 +16,9 @@ from d2r_edge.policy.state import (
     context_from,
     load_npz,
     save_npz,
+    stored_array,
+    stored_names,
+    stored_scalar,
 )
 
 KIND = "thompson"
@@ -85,16 +88,20 @@ class ThompsonSampling:
     @classmethod
     def load(cls, path: Path | str, *, arm_names: list[str] | None = None) -> "ThompsonSampling":
         z = load_npz(path, KIND, expect_arms=arm_names)
-        ts = cls(int(z["n_arms"]), threshold=float(z["threshold"]), seed=int(z["seed"]),
-                 arm_names=[str(a) for a in z["arm_names"]])
-        if z["successes"].shape != (ts.n_arms,) or z["failures"].shape != (ts.n_arms,):
+        n = stored_scalar(z, path, "n_arms", int, 1, 10_000)
+        ts = cls(n, threshold=stored_scalar(z, path, "threshold", float, 0.0, 1.0),
+                 seed=stored_scalar(z, path, "seed", int, 0), arm_names=stored_names(z, path, n))
+        # Beta(successes, failures): both > 0 (they start at the uniform prior's 1)
+        ts.successes[:] = stored_array(z, path, "successes", (n,), positive=True)
+        ts.failures[:] = stored_array(z, path, "failures", (n,), positive=True)
+        state = ts.rng.bit_generator.state
+        try:
+            state["state"] = {"state": int(str(z["rng_state"])), "inc": int(str(z["rng_inc"]))}
+            ts.rng.bit_generator.state = state
+        except (KeyError, ValueError, TypeError, OverflowError):
             from d2r_edge.errors import PolicyFileError
 
-            raise PolicyFileError(f"{path}: counts do not match {ts.n_arms} arms")
-        ts.successes[:] = z["successes"]
-        ts.failures[:] = z["failures"]
-        state = ts.rng.bit_generator.state
-        state["state"] = {"state": int(str(z["rng_state"])), "inc": int(str(z["rng_inc"]))}
-        ts.rng.bit_generator.state = state
+            raise PolicyFileError(f"{path}: the sampler state (rng_state / rng_inc) is damaged; restore the "
+                                  f"file or retrain") from None
         ts.context = context_from(z)
         return ts
