@@ -74,7 +74,6 @@ def _damaged(path, key: str, how) -> None:
 
 def _use(kind: str, obj) -> None:
     if kind == "costs":
-        obj.mask_for = getattr(obj, "mask", None)
         from d2r_edge.config import Budget
 
         obj.mask(Budget(), np.ones(3, dtype=bool))
@@ -119,3 +118,16 @@ def test_a_truncated_policy_file_is_refused(tmp_path):
             with pytest.raises(PolicyFileError, match=path.name):
                 {"linucb": LinUCB.load, "thompson": ThompsonSampling.load, "costs": CostModel.load}[kind](path)
     assert zipfile.is_zipfile(io.BytesIO(raw))
+
+
+@pytest.mark.slow
+def test_policy_files_with_more_examples():
+    """The same property searched 20x longer (the `slow` step)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "D2R_FUZZ_EXAMPLES": str(EXAMPLES * 20)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m",
+                           "not slow", "-W", "error::RuntimeWarning"], env=env, capture_output=True, text=True,
+                          timeout=3600)
+    assert done.returncode == 0, done.stdout[-3000:]
