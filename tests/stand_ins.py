@@ -74,3 +74,40 @@ def fever_world(tmp: Path, models: Path, shared_data: Path, n_docs: int, n_queri
             row = json.loads(line)
             fh.write(json.dumps({"id": row["id"], "claim": row["question"], "label": row["label"]}) + "\n")
     return kb, queries
+
+
+class ScriptedServer:
+    """An OpenAI-compatible stand-in on loopback: answers POSTs from `replies` ((status, body) pairs,
+    body a dict or raw text) in order and keeps each request's JSON in `seen`. Use as a context manager."""
+
+    def __init__(self) -> None:
+        self.replies: list[tuple[int, object]] = []
+        self.seen: list[dict] = []
+
+    def __enter__(self) -> "ScriptedServer":
+        import http.server
+        import json
+        import threading
+
+        outer = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                outer.seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                code, body = outer.replies.pop(0)
+                data = (body if isinstance(body, str) else json.dumps(body)).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self._srv.server_port}/v1"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._srv.shutdown()

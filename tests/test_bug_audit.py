@@ -185,31 +185,16 @@ def test_eval_refuses_stored_attempts_when_the_kb_inputs_change(tmp_path):
 # --- 4. JSON mode: dropped only when the server rejects response_format ---------------------
 
 def test_json_mode_survives_an_unrelated_400_and_is_part_of_the_cache_key(tmp_path):
+    from stand_ins import ScriptedServer
+
     from d2r_edge.eval.outcomes import CachedGenerator
     from d2r_edge.generate.openai_compat import GeneratorError, OpenAICompatible
     from d2r_edge.repair import PromptStyle
 
-    replies: list[tuple[int, str]] = []
-    seen: list[dict] = []
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def do_POST(self):
-            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            code, body = replies.pop(0)
-            data = body.encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
     ok = json.dumps({"choices": [{"message": {"content": '{"answer": "Paris"}'}}]})
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        client = OpenAICompatible(f"http://127.0.0.1:{srv.server_port}/v1", "m", max_retries=0)
+    with ScriptedServer() as srv:
+        replies, seen = srv.replies, srv.seen
+        client = OpenAICompatible(srv.url, "m", max_retries=0)
         replies.append((400, '{"error": "the request exceeds the available context size"}'))
         with pytest.raises(GeneratorError, match="context size"):
             client.complete([{"role": "user", "content": "x" * 100}])
@@ -223,8 +208,6 @@ def test_json_mode_survives_an_unrelated_400_and_is_part_of_the_cache_key(tmp_pa
         client.complete([{"role": "user", "content": "hi"}])
         assert client.json_mode is False and "response_format" not in seen[-1]
         assert cache.key(Task.QA, PromptStyle.SIMPLE, "q", ["p"]) != with_json
-    finally:
-        srv.shutdown()
 
 
 # --- 5. (test_retrieval.py) and the record names the KB version that answered --------------

@@ -11,10 +11,8 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import math
-import threading
 
 import numpy as np
 import pytest
@@ -206,46 +204,28 @@ def test_answer_logprobs_are_the_answer_tokens_only():
 
 
 def test_a_server_gives_rejects_or_omits_logprobs(tmp_path):
+    from stand_ins import ScriptedServer
+
     from d2r_edge.eval.outcomes import CachedGenerator
-
-    replies: list[tuple[int, dict | str]] = []
-    seen: list[dict] = []
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def do_POST(self):
-            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            code, body = replies.pop(0)
-            data = (body if isinstance(body, str) else json.dumps(body)).encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
 
     content = '{"label": "REFUTES", "response": "x"}'
     toks = [('{"label": "', -0.01), ("REF", -0.7), ("UTES", -0.1), ('", "response": "x"}', -0.02)]
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        client = OpenAICompatible(f"http://127.0.0.1:{srv.server_port}/v1", "m", max_retries=0)
-        replies.append((200, _lp_reply(content, toks)))
+    with ScriptedServer() as srv:
+        client = OpenAICompatible(srv.url, "m", max_retries=0)
+        srv.replies.append((200, _lp_reply(content, toks)))
         cache = CachedGenerator(client, tmp_path / "g.jsonl")
         g = cache.generate(Task.FEVER, PromptStyle.SIMPLE, "claim", ["p"])
-        assert seen[-1]["logprobs"] is True
+        assert srv.seen[-1]["logprobs"] is True and srv.seen[-1]["top_logprobs"] == 1
         assert g.label is Label.REFUTES and g.logprobs == (-0.7, -0.1)
         cache.close()
         again = CachedGenerator(client, tmp_path / "g.jsonl")          # replayed from the file
         assert again.generate(Task.FEVER, PromptStyle.SIMPLE, "claim", ["p"]).logprobs == (-0.7, -0.1)
         again.close()
-        replies.append((200, _lp_reply(content, None)))                  # a server that sends none
+        srv.replies.append((200, _lp_reply(content, None)))              # a server that sends none
         assert client.generate(Task.FEVER, PromptStyle.SIMPLE, "claim 2", ["p"]).logprobs is None
-        replies += [(400, '{"error": "logprobs is not supported"}'), (200, _lp_reply(content, None))]
+        srv.replies += [(400, '{"error": "logprobs is not supported"}'), (200, _lp_reply(content, None))]
         assert client.generate(Task.FEVER, PromptStyle.SIMPLE, "claim 3", ["p"]).logprobs is None
-        assert client.logprobs is False and "logprobs" not in seen[-1]    # asked again without, from now on
-    finally:
-        srv.shutdown()
+        assert client.logprobs is False and "logprobs" not in srv.seen[-1]   # asked without, from now on
 
 
 def test_stored_attempts_keep_their_logprobs():
