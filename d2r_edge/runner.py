@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from d2r_edge import jsonl
 from d2r_edge.errors import RECOVERABLE, InputError
+from d2r_edge.jsonl import loads as json_line
 from d2r_edge.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def load_queries(path: Path) -> list[Query]:
         if not line.strip():
             continue
         try:
-            row = jsonl.loads(line)
+            row = json_line(line)
             qid = str(row.get("id", row.get("_id")))
             text = row.get("claim") or row.get("question")
             if row.get("id", row.get("_id")) is None or not isinstance(text, str) or not text.strip():
@@ -81,7 +81,7 @@ def read_records(path: Path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                out.append(jsonl.loads(line))
+                out.append(json_line(line))
             except json.JSONDecodeError:
                 break
     return out
@@ -113,7 +113,7 @@ class RecordLog:
                 end = pos + len(raw) + 1
                 if raw.strip():
                     try:
-                        self.records.append(jsonl.loads(raw))
+                        self.records.append(json_line(raw))
                     except json.JSONDecodeError:
                         keep = pos  # torn write from a crash: drop it and everything after
                         break

@@ -365,7 +365,7 @@ def test_the_remaining_memory_feature_reads_the_first_pass(world):
     p.meter = Growing()
     xs = []
     real = p.context.build
-    p.context.build = lambda *a: xs.append(real(*a)) or xs[-1]
+    p.context.build = lambda *a, **kw: xs.append(real(*a, **kw)) or xs[-1]
     from d2r_edge.runner import load_queries
 
     for q in load_queries(world["queries"]):

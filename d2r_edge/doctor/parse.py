@@ -26,9 +26,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Iterator
 
-from d2r_edge import jsonl
 from d2r_edge.doctor.trajectory import Trajectory, TrajectoryBuilder
 from d2r_edge.errors import InputError
+from d2r_edge.jsonl import loads as json_line
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def parse_file(path: Path, fmt: TrajectoryFormat = TrajectoryFormat.AUTO) -> Par
         if not text.strip():
             continue
         try:
-            row = jsonl.loads(text)
+            row = json_line(text)
             if not isinstance(row, dict):
                 raise ParseError("a JSON object per line is expected")
             if fmt is TrajectoryFormat.AUTO:       # the first readable record decides

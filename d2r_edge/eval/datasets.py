@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from d2r_edge import jsonl
+from d2r_edge.jsonl import loads as json_line
 from d2r_edge.retrieval.docs import Document
 
 
@@ -16,7 +16,7 @@ def _jsonl(path: Path, limit: int | None = None):
             if limit is not None and i >= limit:
                 return
             if line.strip():
-                yield jsonl.loads(line)
+                yield json_line(line)
 
 
 # FEVER escapes brackets and colons in page titles

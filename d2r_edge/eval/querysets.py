@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from d2r_edge import jsonl
 from d2r_edge.errors import InputError
 from d2r_edge.eval.datasets import fever_title
 from d2r_edge.eval.split import Split
+from d2r_edge.jsonl import loads as json_line
 from d2r_edge.retrieval.docs import Document
 
 
@@ -131,7 +131,7 @@ def load_queryset(path: Path | str, split: Split = Split.ALL, limit: int | None 
         if not line.strip():
             continue
         try:
-            row = jsonl.loads(line)
+            row = json_line(line)
         except json.JSONDecodeError:
             bad += 1
             continue

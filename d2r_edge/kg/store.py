@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from d2r_edge import jsonl
 from d2r_edge.errors import D2RError
+from d2r_edge.jsonl import loads as json_line
 from d2r_edge.onnx.seq2seq import Triple
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class TripleStore:
     def load(cls, directory: Path) -> "TripleStore":
         try:
             with open(directory / "triples.jsonl", encoding="utf-8") as fh:
-                triples = [StoredTriple(**jsonl.loads(line)) for line in fh]
+                triples = [StoredTriple(**json_line(line)) for line in fh]
             arrays = [np.load(directory / f"{n}.npy", allow_pickle=False)
                       for n in ("heads", "relations", "tails")]
         except (OSError, ValueError, TypeError) as exc:
@@ -85,7 +85,7 @@ def build_store(kb, extractor, embedder, batch_chunks: int = 16) -> TripleStore:
         with open(partial, encoding="utf-8") as fh:
             for line in fh:
                 try:
-                    row = jsonl.loads(line)
+                    row = json_line(line)
                 except json.JSONDecodeError:
                     break  # a torn last line from a crash: redo that batch
                 done[int(row["chunk_id"])] = [Triple(*t) for t in row["triples"]]

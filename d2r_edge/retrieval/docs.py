@@ -7,8 +7,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from d2r_edge import jsonl
 from d2r_edge.errors import InputError
+from d2r_edge.jsonl import loads as json_line
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def read_documents(path: Path, known_ids: set[str] | None = None) -> ReadReport:
         if not line.strip():
             continue
         try:
-            row = jsonl.loads(line)
+            row = json_line(line)
         except json.JSONDecodeError as exc:
             bad.append((lineno, f"invalid JSON ({exc.msg})"))
             continue

@@ -19,8 +19,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from d2r_edge import jsonl
 from d2r_edge.errors import D2RError, InputError
+from d2r_edge.jsonl import loads as json_line
 from d2r_edge.retrieval.bm25 import BM25Config, BM25Index
 from d2r_edge.retrieval.chunker import ChunkConfig, Chunker
 from d2r_edge.retrieval.dense import DenseIndex, HNSWConfig
@@ -134,7 +134,7 @@ class KnowledgeBase:
         if not path.is_file():
             raise KBError(f"no KB at {directory}; build one with d2r-edge index build")
         try:
-            manifest = jsonl.loads(path.read_text(encoding="utf-8"))
+            manifest = json_line(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise KBError(f"{path} is not valid JSON ({exc}); rebuild the KB") from None
         if manifest.get("format_version") != KB_FORMAT_VERSION:
@@ -150,7 +150,7 @@ class KnowledgeBase:
                     f"(--models, variant) or rebuild the KB with these"
                 )
         with open(directory / "chunks.jsonl", encoding="utf-8") as fh:
-            chunks = [jsonl.loads(line) for line in fh]
+            chunks = [json_line(line) for line in fh]
         dense = DenseIndex.load(directory, manifest["embedder"]["dim"], cfg.hnsw, manifest["hnsw"]["ef"])
         bm25 = BM25Index.load(directory / "bm25.npz")
         for delta in manifest.get("deltas", []):      # refreshes since the base files were written
@@ -182,7 +182,7 @@ class KnowledgeBase:
         work = directory.with_name(directory.name + ".partial")
         if work.exists():
             try:
-                same = jsonl.loads((work / "plan.json").read_text()) == plan
+                same = json_line((work / "plan.json").read_text()) == plan
             except (OSError, json.JSONDecodeError):
                 same = False
             if not same:
@@ -193,7 +193,7 @@ class KnowledgeBase:
         chunks_path = work / "chunks.jsonl"
         if chunks_path.is_file():
             with open(chunks_path, encoding="utf-8") as fh:
-                chunks = [jsonl.loads(line) for line in fh]
+                chunks = [json_line(line) for line in fh]
             log.info("resuming the build in %s", work)
         else:
             chunker = Chunker(embedder.tokenizer, cfg.chunk)
@@ -301,7 +301,7 @@ class KnowledgeBase:
         if not path.is_file():
             return set()
         with open(path, encoding="utf-8") as fh:
-            return {str(jsonl.loads(line)["id"]) for line in fh if line.strip()}
+            return {str(json_line(line)["id"]) for line in fh if line.strip()}
 
     def refresh(self, embedder, extra: list[Document] | None = None, persist: bool = False) -> int:
         """Ingest the queue (and `extra` documents), append-only; returns the documents added.
@@ -418,7 +418,7 @@ _BASE_FILES = {MANIFEST, "chunks.jsonl", "docs.jsonl", "embeddings.npy", "hnsw.b
 def _read_delta(path: Path, entry: dict) -> tuple[list[dict], np.ndarray]:
     try:
         with open(path / "chunks.jsonl", encoding="utf-8") as fh:
-            chunks = [jsonl.loads(line) for line in fh]
+            chunks = [json_line(line) for line in fh]
         vectors = np.load(path / "embeddings.npy", allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise KBError(f"cannot read the KB's delta shard {path} ({exc}); rebuild the KB") from None
