@@ -120,6 +120,11 @@ def features(attempt, fact_verification: bool) -> dict[str, float]:
     return out
 
 
+def record_signals(signals: dict[str, float]) -> dict[str, float | None]:
+    """Signals as a JSON record holds them: a missing one (NaN) is null."""
+    return {k: (None if math.isnan(v) else v) for k, v in signals.items()}
+
+
 def feature_matrix(attempts, fact_verification: bool) -> np.ndarray:
     """features() of each attempt as rows, in feature_names() order."""
     names = feature_names(fact_verification)

@@ -11,7 +11,7 @@ import numpy as np
 
 from d2r_edge.budget import CostModel, Measurement, Meter
 from d2r_edge.config import Budget, RewardConfig
-from d2r_edge.detector import Detector, Gate
+from d2r_edge.detector import Detector, Gate, record_signals
 from d2r_edge.diagnose import Diagnoser, Diagnosis, Label
 from d2r_edge.errors import RECOVERABLE, ConfigError
 from d2r_edge.generate.base import Generation
@@ -160,7 +160,7 @@ class Pipeline:
         if p_wrong is not None:   # missing signals (no log-probabilities) are recorded as null
             rec["p_wrong"] = p_wrong
             rec["detector_threshold"] = self.detector.threshold
-            rec["detector_signals"] = {k: (None if v != v else v) for k, v in signals.items()}
+            rec["detector_signals"] = record_signals(signals)
         final = first
         allowed = self.allowed(first.diagnosis)
         if repair and not allowed.any():

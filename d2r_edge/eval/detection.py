@@ -138,10 +138,10 @@ def train_cross_validation(ctx, folds: int = 5) -> dict | None:
         except ConfigError:
             return None
         out[held] = det.p_wrong_many(x[held])
+    alg1 = [alg1_score(a.diagnosis) for a in firsts]
     return {"n": int(len(wrong)), "n_wrong": int(wrong.sum()), "folds": folds,
-            "alg1_nli_auroc": auroc([alg1_score(a.diagnosis) for a in firsts], wrong),
-            "calibrated_auroc": auroc(out, wrong), "calibrated_auprc": auprc(out, wrong),
-            "alg1_nli_auprc": auprc([alg1_score(a.diagnosis) for a in firsts], wrong)}
+            "alg1_nli_auroc": auroc(alg1, wrong), "alg1_nli_auprc": auprc(alg1, wrong),
+            "calibrated_auroc": auroc(out, wrong), "calibrated_auprc": auprc(out, wrong)}
 
 
 def detection(ctx) -> list[dict]:

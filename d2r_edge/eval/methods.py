@@ -13,6 +13,7 @@ from dataclasses import replace
 import numpy as np
 
 from d2r_edge.config import Budget
+from d2r_edge.detector import record_signals
 from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, Context, EvalQuery, Method
 from d2r_edge.repair import ARM_NAMES, ARMS
 from d2r_edge.runner import RecordLog
@@ -40,7 +41,7 @@ def _record(ctx: Context, q: EvalQuery, method: Method, first, final, arm: int |
         "gold": q.label if ctx.settings.task.fact_verification else list(q.answers),
         "first_passages": [p.doc_id for p in first.passages],
         "gold_docs": sorted(q.gold_doc_ids), "p_wrong": p_wrong,
-        "detector_signals": None if signals is None else {k: (None if v != v else v) for k, v in signals.items()},
+        "detector_signals": None if signals is None else record_signals(signals),
         **(extra or {}),
     }
 
