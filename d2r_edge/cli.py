@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -13,6 +14,8 @@ from d2r_edge.errors import D2RError, InputError, MissingExtraError
 
 log = logging.getLogger("d2r_edge.cli")
 
+OS_ERROR_EXIT = 13          # the operating system refused a read or write
+INTERNAL_ERROR_EXIT = 70    # an exception d2r-edge did not raise on purpose (EX_SOFTWARE)
 EXPORT_PIP = "pip install torch==2.13.0 && pip install 'd2r-edge[export]'"
 
 
@@ -365,6 +368,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="d2r-edge", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--debug", action="store_true",
+                        help="let errors raise with their traceback (also D2R_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="export a profile's checkpoints to verified, quantized ONNX")
@@ -475,14 +480,32 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
+    debug = args.debug or os.environ.get("D2R_DEBUG", "") not in ("", "0")
     try:
         return args.func(args)
     except D2RError as exc:
-        print(f"d2r-edge: error: {exc}", file=sys.stderr)
+        if debug:
+            raise
+        print(f"d2r-edge: error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("d2r-edge: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:         # the machine's answer (permissions, disk full, a path that is a directory)
+        if debug:
+            raise
+        print(f"d2r-edge: error: {_one_line(exc)}", file=sys.stderr)
+        return OS_ERROR_EXIT
+    except Exception as exc:       # a bug: one line, the traceback only on request
+        if debug:
+            raise
+        print(f"d2r-edge: internal error (a bug in d2r-edge; please report it with the traceback that "
+              f"--debug or D2R_DEBUG=1 prints): {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+        return INTERNAL_ERROR_EXIT
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -71,20 +72,41 @@ def load_queries(path: Path) -> list[Query]:
     return out
 
 
-def read_records(path: Path) -> list[dict]:
-    """The complete records of a JSONL log without opening it for writing (a torn last line is left out)."""
-    out = []
+Validator = Callable[[dict], bool]
+
+
+def _scan(data: bytes, valid: Validator | None) -> tuple[list[dict], list[int], bool]:
+    """(records, numbers of the lines that are not records, whether only the last line is bad)."""
+    records, bad = [], []
+    lines = data.split(b"\n")
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json_line(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            row = None
+        if isinstance(row, dict) and (valid is None or _checked(valid, row)):
+            records.append(row)
+        else:
+            bad.append(n)
+    last = max((n for n, raw in enumerate(lines, 1) if raw.strip()), default=0)
+    return records, bad, bad == [last] and not data.endswith(b"\n")
+
+
+def _checked(valid: Validator, row: dict) -> bool:
+    try:
+        return bool(valid(row))
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+        return False
+
+
+def read_records(path: Path, valid: Validator | None = None) -> list[dict]:
+    """The complete records of a JSONL log without opening it for writing (lines that are not
+    records, e.g. a torn last line, are left out)."""
     if not Path(path).is_file():
-        return out
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            try:
-                out.append(json_line(line))
-            except json.JSONDecodeError:
-                break
-    return out
+        return []
+    return _scan(Path(path).read_bytes(), valid)[0]
 
 
 def is_error(rec: dict) -> bool:
@@ -101,34 +123,27 @@ class RecordLog:
     kill during the rewrite leaves the old file or the new one, never a mix.
     """
 
-    def __init__(self, path: Path, drop=None) -> None:
+    def __init__(self, path: Path, drop=None, valid: Validator | None = None) -> None:
         self.path = Path(path)
         self.records: list[dict] = []
+        damaged: list[int] = []
         if self.path.is_file():
             data = self.path.read_bytes()
-            keep = len(data)
-            lines = data.split(b"\n")
-            pos = 0
-            for raw in lines:
-                end = pos + len(raw) + 1
-                if raw.strip():
-                    try:
-                        self.records.append(json_line(raw))
-                    except json.JSONDecodeError:
-                        keep = pos  # torn write from a crash: drop it and everything after
-                        break
-                pos = end
-            if keep < len(data) and not data[:keep].endswith(b"\n") and keep:
-                keep = data.rfind(b"\n", 0, keep) + 1
-            if keep < len(data):
-                with open(self.path, "r+b") as fh:
-                    fh.truncate(keep)
+            self.records, damaged, torn = _scan(data, valid)
+            if torn:
                 log.warning("%s: cut a torn last record; it will be redone", self.path)
+            elif damaged:
+                # not a crash's torn write (that is only ever the last line): the file was damaged
+                # or edited. Those lines are redone, every good record kept.
+                shown = ", ".join(map(str, damaged[:10])) + (" ..." if len(damaged) > 10 else "")
+                log.warning("%s: %d line(s) are not records of this log (line %s); they are taken out "
+                            "and redone", self.path, len(damaged), shown)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if drop is not None and any(drop(r) for r in self.records):
+        if damaged or (drop is not None and any(drop(r) for r in self.records)):
             n = len(self.records)
-            self.rewrite([r for r in self.records if not drop(r)])
-            log.info("%s: %d record(s) taken out to be redone", self.path, n - len(self.records))
+            self.rewrite([r for r in self.records if drop is None or not drop(r)])
+            if n > len(self.records):
+                log.info("%s: %d record(s) taken out to be redone", self.path, n - len(self.records))
         self._fh = open(self.path, "a", encoding="utf-8")
 
     def rewrite(self, records: list[dict]) -> None:

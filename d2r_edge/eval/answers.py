@@ -32,6 +32,7 @@ from d2r_edge.eval.outcomes import AttemptStore, CachedGenerator
 from d2r_edge.eval.querysets import EvalQuery, QuerySet, load_queryset
 from d2r_edge.eval.report import write_report
 from d2r_edge.eval.split import Split
+from d2r_edge.jsonl import loads as json_line
 from d2r_edge.repair import ARM_NAMES, ARMS
 from d2r_edge.retrieval.retriever import Retriever
 from d2r_edge.signals import Entailment
@@ -148,11 +149,17 @@ def _check_out(s: EvalSettings, kb_input_sha256: str) -> None:
     s.out.mkdir(parents=True, exist_ok=True)
     path, want = s.out / "settings.json", fingerprint(s, kb_input_sha256)
     if path.is_file():
-        have = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            have = json_line(path.read_bytes())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            have = None
+        if not isinstance(have, dict):
+            raise InputError(f"{path} is damaged (not a JSON object), so what {s.out} holds cannot be matched to "
+                             f"these settings; use another --out, or delete {s.out} to start over")
         stamp = s.out / "kb.input-sha256"
         if "kb_input_sha256" not in have and stamp.is_file():
             # written before the digest was part of the settings: the KB's own stamp says it
-            have["kb_input_sha256"] = stamp.read_text().strip()
+            have["kb_input_sha256"] = stamp.read_bytes().decode("utf-8", "replace").strip()
         have.setdefault("gate", "paper")     # written before the gate could be chosen
         if have.get("kb_input_sha256") != kb_input_sha256:
             raise InputError(f"{s.out} holds attempts computed on other documents: a --train, --test or "

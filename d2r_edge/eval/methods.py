@@ -140,10 +140,34 @@ def _policy_record(ctx: Context, p, q: EvalQuery, method: Method) -> dict:
                    {"cost_masked": rec["repair"]["cost_masked"], "mask_fallback": rec["repair"]["mask_fallback"]})
 
 
+_NUMBER = (int, float)
+_OPTIONAL_NUMBER = (int, float, type(None))
+# what the summary and report read from a method record, by type: a stored line without it is redone
+_RECORD_FIELDS = {"id": str, "method": str, "first_failure": str, "final_failure": str, "first_answer": str,
+                  "final_answer": str, "first_correct": _NUMBER, "final_correct": _NUMBER, "first_f1": _NUMBER,
+                  "final_f1": _NUMBER, "final_entailed": bool, "repaired": bool, "arm": (str, type(None)),
+                  "latency_s": _OPTIONAL_NUMBER, "mem_growth_mib": _OPTIONAL_NUMBER,
+                  "memory_kind": (str, type(None)), "over_budget": (bool, type(None)), "gold": (str, list),
+                  "first_passages": list, "gold_docs": list, "p_wrong": _OPTIONAL_NUMBER,
+                  "detector_signals": (dict, type(None))}
+
+
+def method_record_ok(method: Method):
+    """A validator of stored method records (RecordLog `valid`)."""
+    def ok(r: dict) -> bool:
+        return (r.get("method") == method.value
+                and all(k in r and isinstance(r[k], t) for k, t in _RECORD_FIELDS.items())
+                and (r["arm"] is None or r["arm"] in ARM_NAMES) and r["repaired"] == (r["arm"] is not None)
+                and isinstance(r.get("arm_unavailable") or {}, dict)
+                and (method not in POLICY_METHODS or not r["repaired"]
+                     or (isinstance(r.get("cost_masked"), list) and isinstance(r.get("mask_fallback"), bool))))
+    return ok
+
+
 def run_method(ctx: Context, method: Method) -> list[dict]:
     """The method's per-query records on the test queries (resumed from its JSONL file)."""
     path = ctx.settings.out / "methods" / f"{method.value}.jsonl"
-    rlog = RecordLog(path)
+    rlog = RecordLog(path, valid=method_record_ok(method))
     done = {r["id"] for r in rlog.records}
     todo = [q for q in ctx.test if q.id not in done]
     try:

@@ -20,6 +20,8 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
+
 from d2r_edge.budget import Measurement, MemoryKind, MemorySource
 from d2r_edge.diagnose import Diagnosis, Label
 from d2r_edge.generate.base import Generation
@@ -62,18 +64,54 @@ def attempt_to_json(a: Attempt) -> dict:
 def attempt_from_json(row: dict, chunks: list[dict]) -> Attempt:
     passages = []
     for chunk_id, score in row["passages"]:
+        if isinstance(chunk_id, bool) or not 0 <= int(chunk_id) < len(chunks):
+            raise IndexError(f"chunk {chunk_id!r} is not in the KB")
         c = chunks[int(chunk_id)]
         passages.append(Passage(int(c["chunk_id"]), c["doc_id"], c["title"], c["text"], float(score)))
     g, d = row["generation"], row["diagnosis"]
     diag = Diagnosis(FailureType(d["failure"]), Entailment(d["e_q"]), Entailment(d["e_r"]), KGStatus(d["kg"]),
-                     _label(d["label"]), _label(d["gated_label"]), d["nli_q"], d["nli_r"])
-    return Attempt(passages, Generation(g["response"], _label(g["label"]), g["raw"], logprobs=_logprobs(g)), diag,
-                   dict(row["timings_s"]))
+                     _label(d["label"]), _label(d["gated_label"]), _probs(d["nli_q"]), _probs(d["nli_r"]))
+    return Attempt(passages, Generation(_text(g["response"]), _label(g["label"]), _text(g["raw"]),
+                                        logprobs=_logprobs(g)), diag,
+                   {str(k): float(v) for k, v in dict(row["timings_s"]).items()})
+
+
+def _text(value) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected text, got {type(value).__name__}")
+    return value
+
+
+def _probs(rows) -> list:
+    """Per-passage NLI probabilities as stored ({label: p} per passage), checked to be that."""
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in r.values()) for r in rows):
+        raise TypeError("NLI probabilities are not a list of {label: probability}")
+    return rows
+
+
+def attempt_row_ok(chunks: list[dict]):
+    """A validator of stored attempt rows (RecordLog `valid`): the row decodes against this KB."""
+    def ok(row: dict) -> bool:
+        cost_from_json(row["cost"])
+        attempt_from_json(row["attempt"], chunks)
+        return isinstance(row["query"], str) and isinstance(row["config"], str)
+    return ok
+
+
+def generation_row_ok(row: dict) -> bool:
+    """A validator of stored generator answers: the row replays as a Generation."""
+    _label(row["label"]), _logprobs(row)
+    float(row.get("latency_s") or 0.0)
+    return isinstance(row["key"], str) and isinstance(row["response"], str) and isinstance(row["raw"], str)
 
 
 def _logprobs(row: dict) -> tuple[float, ...] | None:
     """Stored answer-token log-probabilities; None where none were given (or rows written before them)."""
     lp = row.get("logprobs")
+    if lp is not None and not (isinstance(lp, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                         for v in lp)):
+        raise TypeError("logprobs is not a list of numbers")
     return None if lp is None else tuple(float(v) for v in lp)
 
 
@@ -87,17 +125,20 @@ def cost_to_json(m: Measurement | None) -> dict | None:
 def cost_from_json(c: dict | None) -> Measurement | None:
     if c is None:
         return None
-    return Measurement(float(c["latency_s"]), float(c["mem_growth_mib"]), MemoryKind(c["memory_kind"]),
-                       MemorySource(c["memory_source"]), int(c["samples"]))
+    m = Measurement(float(c["latency_s"]), float(c["mem_growth_mib"]), MemoryKind(c["memory_kind"]),
+                    MemorySource(c["memory_source"]), int(c["samples"]))
+    if not (np.isfinite(m.latency_s) and m.latency_s >= 0 and np.isfinite(m.mem_growth_mib)):
+        raise ValueError(f"cost {c} is not a measurement")
+    return m
 
 
 class _RowLog:
     """The JSONL log behind a store: appended to, or for a read-only copy (a Ray worker's) read
     once and never written, what is added since kept in `new_rows` for the driver to store."""
 
-    def __init__(self, path: Path, read_only: bool) -> None:
-        self._log = None if read_only else RecordLog(path)
-        self.records = read_records(path) if read_only else self._log.records
+    def __init__(self, path: Path, read_only: bool, valid) -> None:
+        self._log = None if read_only else RecordLog(path, valid=valid)
+        self.records = read_records(path, valid) if read_only else self._log.records
         self.new_rows: list[dict] = []
 
     def append(self, row: dict) -> None:
@@ -128,7 +169,7 @@ class AttemptStore:
 
     def __init__(self, path: Path, chunks: list[dict], read_only: bool = False) -> None:
         self.chunks = chunks
-        self.log = _RowLog(path, read_only)
+        self.log = _RowLog(path, read_only, attempt_row_ok(chunks))
         # (query, config, metered): an attempt first computed unmetered (a first attempt) and
         # later asked for with its cost (an arm with the same effective config) is kept twice,
         # so the first attempt every method sees never changes
@@ -184,7 +225,7 @@ class CachedGenerator:
                                     "base_url": getattr(inner, "base_url", None),
                                     "temperature": getattr(inner, "temperature", None),
                                     "max_tokens": getattr(inner, "max_tokens", None)}, sort_keys=True)
-        self.log = _RowLog(path, read_only)      # read_only: new answers for the driver to `add`
+        self.log = _RowLog(path, read_only, generation_row_ok)      # read_only: new answers for the driver to `add`
         self._cache = {row["key"]: row for row in self.log.records}
         self.calls = self.hits = 0
 

@@ -210,8 +210,7 @@ class NLI(_Encoder):
         self.rescore_margin = 0.0
         self.fp32: NLI | None = None
         self.rescored_pairs = 0                 # how many pairs went to fp32 so far
-        quant = (self.entry.raw.get("variants", {}).get(Variant.INT8.value, {}).get("quantization") or {})
-        margin = float(quant.get("fp32_rescore_margin") or 0.0)
+        margin = self.entry.rescore_margin
         if near_tie_fp32 and variant is Variant.INT8 and margin > 0 and Variant.FP32 in self.entry.variants:
             self.fp32 = NLI(manifest, variant=Variant.FP32, session=session, batch=batch,
                             allow_random_weights=allow_random_weights, near_tie_fp32=False)
@@ -306,7 +305,7 @@ class Embedder(_Encoder):
         """Which embedding space this is, for a policy's context spec: the exported weights'
         sha256, shared by every precision variant of one checkpoint (else the sha256 of the fp32
         graph files). An index pins more: retrieval.kb.embedder_fingerprint adds the variant."""
-        src = self.entry.raw.get("source") or {}
+        src = self.entry.source
         if src.get("weights_sha256"):
             return f"weights:{src['weights_sha256']}"
         files = self.entry.variants.get(Variant.FP32) or self.entry.variants[self.variant]

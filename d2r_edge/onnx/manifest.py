@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from d2r_edge.errors import IntegrityError, ManifestError, RandomWeightsError
+from d2r_edge.jsonl import loads as json_loads
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,9 @@ class FileEntry:
 
 def _files(raw: Mapping[str, Any], where: str) -> dict[str, FileEntry]:
     try:
+        for name in raw:
+            if not name or Path(name).is_absolute() or ".." in Path(name).parts:
+                raise ValueError(f"file name {name!r} is not a path inside the role's directory")
         return {
             name: FileEntry(name, str(meta["sha256"]), int(meta["size_bytes"]))
             for name, meta in raw.items()
@@ -133,6 +137,7 @@ class RoleEntry:
     variants: dict[Variant, dict[str, FileEntry]]
     generation: dict[str, Any]
     raw: dict[str, Any]
+    rescore_margin: float = 0.0     # int8 near-tie margin under which the fp32 graph rescores (0: never)
 
     def label_index(self, label: str) -> int:
         """Index of a label name (case-insensitive) in the model's output."""
@@ -185,6 +190,17 @@ class RoleEntry:
     def tokenizer_path(self) -> Path:
         return self.verified_path("tokenizer.json")
 
+    @property
+    def where(self) -> str:
+        """This role in its manifest, for error messages."""
+        return f"{self.directory.parent / MANIFEST_NAME} role {self.role.value}"
+
+    @property
+    def source(self) -> dict[str, str]:
+        """Where the weights came from (`spec`, `weights_sha256`, ...), as export recorded it."""
+        return {str(k): str(v) for k, v in (self.raw.get("source") or {}).items() if v is not None}
+
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -222,8 +238,64 @@ def _role(value: Role | str, where: Path) -> Role:
         raise ManifestError(f"{where}: unknown role {value!r}; known roles: {names}") from None
 
 
+def _mapping(value: Any, where: str, what: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ManifestError(f"{where}: {what} must be a JSON object, got {type(value).__name__}; "
+                            f"re-run d2r-edge export")
+    return value
+
+
+_GENERATION_TYPES = (int, float, bool, str, type(None))
+
+
+def _role_entry(role: Role, raw: Any, path: Path) -> RoleEntry:
+    where = f"{path} role {role.value}"
+    raw = _mapping(raw, where, "the entry")
+    try:
+        directory = raw["directory"]
+        if not isinstance(directory, str) or not directory or Path(directory).is_absolute() \
+                or ".." in Path(directory).parts:
+            raise ValueError(f"directory {directory!r} is not a folder name inside {path.parent}")
+        max_len = int(raw["max_length_tokens"])
+        if not 0 < max_len <= 1 << 20:
+            raise ValueError(f"max_length_tokens {max_len} is out of range")
+        generation = dict(_mapping(raw.get("generation"), where, "generation"))
+        bad = sorted(str(k) for k, v in generation.items() if not isinstance(v, _GENERATION_TYPES))
+        if bad:
+            raise ValueError(f"generation values {bad} are not numbers")
+        for block in ("source", "validation", "parity", "training"):
+            _mapping(raw.get(block), where, block)
+        variants_raw = _mapping(raw["variants"], where, "variants")
+        margins = {v: float(_mapping(_mapping(meta, f"{where} variant {v}", "the variant").get("quantization"),
+                                     f"{where} variant {v}", "quantization").get("fp32_rescore_margin") or 0.0)
+                   for v, meta in variants_raw.items()}
+        return RoleEntry(
+            role=role,
+            directory=path.parent / directory,
+            architecture=str(raw["architecture"]),
+            task=str(raw["task"]),
+            weights=Weights(raw["weights"]),
+            max_length_tokens=max_len,
+            id2label={int(k): str(v) for k, v in _mapping(raw.get("id2label"), where, "id2label").items()},
+            files=_files(_mapping(raw["files"], where, "files"), where),
+            variants={Variant(v): _files(_mapping(meta["files"], f"{where} variant {v}", "files"),
+                                         f"{where} variant {v}")
+                      for v, meta in variants_raw.items()},
+            generation=generation,
+            raw=dict(raw),
+            rescore_margin=margins.get(Variant.INT8.value, 0.0),
+        )
+    except (KeyError, ValueError, TypeError, OverflowError) as exc:
+        raise ManifestError(f"{where}: malformed entry ({exc!r}); re-run d2r-edge export") from None
+
+
 def load_manifest(models_dir: Path | str) -> Manifest:
-    """Read `manifest.json` from a profile directory (or the file itself)."""
+    """Read `manifest.json` from a profile directory (or the file itself).
+
+    Every field the runtime reads later is checked here, so a damaged manifest is one
+    ManifestError naming the file, not a TypeError deep inside a model's constructor."""
     path = Path(models_dir)
     if path.is_dir():
         path = path / MANIFEST_NAME
@@ -233,42 +305,23 @@ def load_manifest(models_dir: Path | str) -> Manifest:
             f"(it writes models/NAME/{MANIFEST_NAME})"
         )
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json_loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(f"{path} is not valid JSON ({exc}); re-run d2r-edge export") from None
+    except OSError as exc:
+        raise ManifestError(f"cannot read {path} ({exc})") from None
     if not isinstance(data, dict) or data.get("format_version") != MANIFEST_FORMAT_VERSION:
         raise ManifestError(
             f"{path}: manifest format {data.get('format_version') if isinstance(data, dict) else '?'} "
             f"is not {MANIFEST_FORMAT_VERSION}; re-export with this version of d2r-edge"
         )
-    roles: dict[Role, RoleEntry] = {}
-    for name, raw in data.get("roles", {}).items():
-        role = _role(name, path)
-        where = f"{path} role {name}"
-        try:
-            roles[role] = RoleEntry(
-                role=role,
-                directory=path.parent / raw["directory"],
-                architecture=str(raw["architecture"]),
-                task=str(raw["task"]),
-                weights=Weights(raw["weights"]),
-                max_length_tokens=int(raw["max_length_tokens"]),
-                id2label={int(k): str(v) for k, v in (raw.get("id2label") or {}).items()},
-                files=_files(raw["files"], where),
-                variants={
-                    Variant(v): _files(meta["files"], f"{where} variant {v}")
-                    for v, meta in raw["variants"].items()
-                },
-                generation=dict(raw.get("generation") or {}),
-                raw=raw,
-            )
-        except (KeyError, ValueError, TypeError) as exc:
-            raise ManifestError(f"{where}: malformed entry ({exc!r}); re-run d2r-edge export") from None
-    absent = {_role(k, path): str(v) for k, v in data.get("absent", {}).items()}
+    roles = {(role := _role(name, path)): _role_entry(role, raw, path)
+             for name, raw in _mapping(data.get("roles"), str(path), "roles").items()}
+    absent = {_role(k, path): str(v) for k, v in _mapping(data.get("absent"), str(path), "absent").items()}
     return Manifest(
         path=path,
         profile=str(data.get("profile", path.parent.name)),
         roles=roles,
         absent=absent,
-        tools={str(k): str(v) for k, v in data.get("tools", {}).items()},
+        tools={str(k): str(v) for k, v in _mapping(data.get("tools"), str(path), "tools").items()},
     )

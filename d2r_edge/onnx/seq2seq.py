@@ -58,13 +58,27 @@ class GenerationSettings:
             raise ConfigError(f"num_beams must be >= 1, got {self.num_beams}")
 
     @classmethod
-    def from_manifest(cls, generation: dict, **overrides) -> "GenerationSettings":
+    def from_manifest(cls, generation: dict, where: str = "the manifest", **overrides) -> "GenerationSettings":
+        """Settings from a manifest's generation block (`where` names it in errors), overrides on top."""
         keys = {f for f in cls.__dataclass_fields__}
         values = {k: v for k, v in generation.items() if k in keys and v is not None}
         if "max_new_tokens" not in values and generation.get("max_length"):
-            values["max_new_tokens"] = max(1, int(generation["max_length"]) - 1)
+            max_length = generation["max_length"]
+            values["max_new_tokens"] = max(1, max_length - 1) if isinstance(max_length, int) else max_length
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        for key, value in values.items():
+            ok = (value in (True, False, "never") if key == "early_stopping"
+                  else isinstance(value, (int, float)) and not isinstance(value, bool) if key == "length_penalty"
+                  else isinstance(value, int) and not isinstance(value, bool))
+            if not ok:
+                raise ConfigError(f"{where}: generation setting {key}={value!r} has the wrong type; re-run "
+                                  f"d2r-edge export or fix the override")
+        try:
+            return cls(**values)
+        except TypeError as exc:       # a required token id missing from the manifest
+            raise ConfigError(f"{where}: generation settings incomplete ({exc}); re-run d2r-edge export") from None
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
 
 
 def _banned_ngram_tokens(seq: Sequence[int], n: int) -> list[int]:
@@ -114,7 +128,7 @@ class Seq2SeqModel:
         self.tokenizer = Tokenizer.from_file(str(self.entry.tokenizer_path()))
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(self.entry.max_length_tokens)
-        self.settings = GenerationSettings.from_manifest(self.entry.generation)
+        self.settings = GenerationSettings.from_manifest(self.entry.generation, where=self.entry.where)
         self._dec_inputs = {i.name: i for i in self.decoder.get_inputs()}
         self._dec_outputs = [o.name for o in self.decoder.get_outputs()]
         self._past_names = [n for n in self._dec_inputs if n.startswith("past_key_values.")]

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import time
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -58,7 +59,7 @@ def embedder_fingerprint(embedder) -> dict:
     return {"variant": embedder.variant.value, "dim": embedder.dim,
             "model_sha256": sorted(f.sha256 for f in files.values()),
             "tokenizer_sha256": entry.files["tokenizer.json"].sha256,
-            "source": entry.raw.get("source", {}).get("spec", "")}
+            "source": entry.source.get("spec", "")}
 
 
 def _write_json(path: Path, data) -> None:
@@ -128,18 +129,30 @@ class KnowledgeBase:
     # --- opening ---------------------------------------------------------------
     @classmethod
     def open(cls, directory: Path | str, embedder=None, cfg: KBConfig = KBConfig()) -> "KnowledgeBase":
+        """Open a KB directory; a missing, truncated or foreign file is one KBError naming it."""
         directory = Path(directory)
         _recover(directory)
         path = directory / MANIFEST
         if not path.is_file():
             raise KBError(f"no KB at {directory}; build one with d2r-edge index build")
         try:
-            manifest = json_line(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
+            manifest = json_line(path.read_bytes())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise KBError(f"{path} is not valid JSON ({exc}); rebuild the KB") from None
-        if manifest.get("format_version") != KB_FORMAT_VERSION:
-            raise KBError(f"{directory}: KB format {manifest.get('format_version')} is not "
-                          f"{KB_FORMAT_VERSION}; rebuild it with this d2r-edge")
+        if not isinstance(manifest, dict) or manifest.get("format_version") != KB_FORMAT_VERSION:
+            have = manifest.get("format_version") if isinstance(manifest, dict) else "?"
+            raise KBError(f"{directory}: KB format {have} is not {KB_FORMAT_VERSION}; rebuild it with this d2r-edge")
+        try:
+            return cls._open(directory, manifest, embedder, cfg)
+        except KBError:
+            raise
+        except (D2RError, OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError,
+                EOFError, zipfile.BadZipFile) as exc:
+            raise KBError(f"cannot open the KB at {directory} ({type(exc).__name__}: {exc}); a file is missing "
+                          f"or damaged: rebuild it with d2r-edge index build") from None
+
+    @classmethod
+    def _open(cls, directory: Path, manifest: dict, embedder, cfg: KBConfig) -> "KnowledgeBase":
         if embedder is not None:
             want, got = manifest["embedder"], embedder_fingerprint(embedder)
             if want != got:
@@ -149,9 +162,13 @@ class KnowledgeBase:
                     f"({got['variant']}, {got['model_sha256'][0][:12]}...); load the same models "
                     f"(--models, variant) or rebuild the KB with these"
                 )
-        with open(directory / "chunks.jsonl", encoding="utf-8") as fh:
-            chunks = [json_line(line) for line in fh]
-        dense = DenseIndex.load(directory, manifest["embedder"]["dim"], cfg.hnsw, manifest["hnsw"]["ef"])
+        _check_sizes(directory, manifest.get("files"))
+        chunks = _read_chunks(directory / "chunks.jsonl")
+        dim = int(manifest["embedder"]["dim"])
+        dense = DenseIndex.load(directory, dim, cfg.hnsw, int(manifest["hnsw"]["ef"]))
+        if dense.vectors.ndim != 2 or dense.vectors.shape[1] != dim or dense.vectors.dtype.kind != "f":
+            raise KBError(f"{directory / 'embeddings.npy'}: vectors of shape {dense.vectors.shape} "
+                          f"({dense.vectors.dtype}), the manifest says dim {dim}; rebuild the KB")
         bm25 = BM25Index.load(directory / "bm25.npz")
         for delta in manifest.get("deltas", []):      # refreshes since the base files were written
             new_chunks, vectors = _read_delta(directory / DELTAS / delta["name"], delta)
@@ -182,18 +199,29 @@ class KnowledgeBase:
         work = directory.with_name(directory.name + ".partial")
         if work.exists():
             try:
-                same = json_line((work / "plan.json").read_text()) == plan
-            except (OSError, json.JSONDecodeError):
+                same = json_line((work / "plan.json").read_bytes()) == plan
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
                 same = False
             if not same:
                 log.info("discarding a partial build of other input/settings in %s", work)
                 shutil.rmtree(work)
+        try:
+            return cls._build(work, directory, plan, report, embedder, fingerprint, cfg, embed_shards)
+        except KBError as exc:         # the partial build is damaged (a cache): once more from nothing
+            if not work.exists():
+                raise
+            log.warning("discarding a damaged partial build in %s (%s)", work, exc)
+            shutil.rmtree(work)
+            return cls._build(work, directory, plan, report, embedder, fingerprint, cfg, embed_shards)
+
+    @classmethod
+    def _build(cls, work: Path, directory: Path, plan: dict, report, embedder, fingerprint: dict, cfg: KBConfig,
+               embed_shards: ShardEmbedding | None) -> "KnowledgeBase":
         (work / "shards").mkdir(parents=True, exist_ok=True)
         _write_json(work / "plan.json", plan)
         chunks_path = work / "chunks.jsonl"
         if chunks_path.is_file():
-            with open(chunks_path, encoding="utf-8") as fh:
-                chunks = [json_line(line) for line in fh]
+            chunks = _read_chunks(chunks_path)
             log.info("resuming the build in %s", work)
         else:
             chunker = Chunker(embedder.tokenizer, cfg.chunk)
@@ -223,8 +251,14 @@ class KnowledgeBase:
         text = _docs_jsonl(docs)
         digest = hashlib.sha256(text.encode()).hexdigest()
         docs_path, stamp, kb_dir = out / "kb-docs.jsonl", out / "kb.input-sha256", out / "kb"
-        if stamp.is_file() and stamp.read_text().strip() == digest and (kb_dir / "manifest.json").is_file():
-            return cls.open(kb_dir, embedder)
+        if stamp.is_file() and stamp.read_bytes().strip() == digest.encode() and (kb_dir / MANIFEST).is_file():
+            try:
+                return cls.open(kb_dir, embedder)
+            except KBModelMismatchError:
+                raise
+            except KBError as exc:          # a cache: built again from the documents
+                log.warning("rebuilding the cached KB: %s", exc)
+        stamp.unlink(missing_ok=True)
         docs_path.write_text(text, encoding="utf-8")
         kb = cls.build(docs_path, kb_dir, embedder)
         stamp.write_text(digest + "\n")
@@ -246,7 +280,17 @@ class KnowledgeBase:
         def texts_of(i: int) -> list[str]:
             return [c["embed_text"] for c in chunks[starts[i]:starts[i] + shard_size]]
 
-        parts = {i: np.load(path(i), allow_pickle=False) for i in range(len(starts)) if path(i).is_file()}
+        parts = {}
+        for i in range(len(starts)):
+            if path(i).is_file():
+                try:
+                    part = np.load(path(i), allow_pickle=False)
+                except (OSError, ValueError, EOFError) as exc:
+                    raise KBError(f"cannot read the finished embedding shard {path(i)} ({exc})") from None
+                want = min(shard_size, len(chunks) - starts[i])
+                if part.ndim != 2 or part.shape != (want, embedder.dim):
+                    raise KBError(f"{path(i)} holds {part.shape} vectors, the shard needs ({want}, {embedder.dim})")
+                parts[i] = part
         todo = [i for i in range(len(starts)) if i not in parts]
         results = (embed_shards(todo, texts_of) if embed_shards is not None
                    else ((i, embedder.encode(texts_of(i))) for i in todo))
@@ -273,18 +317,18 @@ class KnowledgeBase:
         bm25.save(work / "bm25.npz")
         _write_jsonl(work / "docs.jsonl", ({"id": d.id, "title": d.title, **d.metadata} for d in docs))
         manifest = cls._manifest(chunks, fingerprint, cfg, dense, version, created,
-                                 n_docs=len({c["doc_id"] for c in chunks}))
+                                 n_docs=len({c["doc_id"] for c in chunks}), files=_sizes(work))
         _write_json(work / MANIFEST, manifest)
         return cls(work, manifest, chunks, dense, bm25, cfg)
 
     @staticmethod
     def _manifest(chunks, fingerprint, cfg, dense: DenseIndex, version, created, n_docs,
-                  deltas: list[dict] | None = None) -> dict:
+                  deltas: list[dict] | None = None, files: dict[str, int] | None = None) -> dict:
         return {"format_version": KB_FORMAT_VERSION, "kb_version": version, "n_docs": n_docs,
                 "n_chunks": len(chunks), "chunking": asdict(cfg.chunk), "embedder": fingerprint,
                 "hnsw": {**asdict(cfg.hnsw), "ef": dense.ef, "built": dense.index is not None},
                 "bm25": asdict(cfg.bm25), "created_unix_s": int(created),
-                "updated_unix_s": int(time.time()), "deltas": list(deltas or [])}
+                "updated_unix_s": int(time.time()), "deltas": list(deltas or []), "files": dict(files or {})}
 
     # --- incremental -------------------------------------------------------------
     def queue(self, docs_path: Path | str) -> int:
@@ -349,6 +393,7 @@ class KnowledgeBase:
         _write_jsonl(tmp / "chunks.jsonl", chunks)
         _write_jsonl(tmp / "docs.jsonl", ({"id": d.id, "title": d.title, **d.metadata} for d in docs))
         np.save(tmp / "embeddings.npy", np.asarray(vectors, dtype=np.float32))
+        entry["files"] = _sizes(tmp)
         os.replace(tmp, final)
         m = dict(self.manifest)
         m.update(kb_version=version, n_chunks=len(self.chunks) + len(chunks),
@@ -379,7 +424,8 @@ class KnowledgeBase:
         self.dense.save(work)
         self.bm25.save(work / "bm25.npz")
         self.manifest = self._manifest(self.chunks, self.manifest["embedder"], self.cfg, self.dense,
-                                       self.version, self.manifest["created_unix_s"], n_docs=len(self.doc_ids))
+                                       self.version, self.manifest["created_unix_s"], n_docs=len(self.doc_ids),
+                                       files=_sizes(work))
         _write_json(work / MANIFEST, self.manifest)
         _swap_in(work, self.directory)
 
@@ -415,10 +461,48 @@ DELTAS = "deltas"
 _BASE_FILES = {MANIFEST, "chunks.jsonl", "docs.jsonl", "embeddings.npy", "hnsw.bin", "bm25.npz"}
 
 
-def _read_delta(path: Path, entry: dict) -> tuple[list[dict], np.ndarray]:
+_SIZED = ("chunks.jsonl", "docs.jsonl", "embeddings.npy", "hnsw.bin", "bm25.npz")
+_CHUNK_KEYS = {"chunk_id": int, "doc_id": str, "title": str, "text": str, "embed_text": str}
+
+
+def _sizes(directory: Path) -> dict[str, int]:
+    """Byte sizes of a KB's data files, recorded in its manifest: a truncated file is caught on open,
+    before hnswlib or numpy read it (no full hash: opening a large KB must stay cheap)."""
+    return {name: (directory / name).stat().st_size for name in _SIZED if (directory / name).is_file()}
+
+
+def _check_sizes(directory: Path, sizes) -> None:
+    if sizes is None:                # a KB written before sizes were recorded
+        return
+    if not isinstance(sizes, dict):
+        raise KBError(f"{directory / MANIFEST}: 'files' is not an object; rebuild the KB")
+    for name, size in sizes.items():
+        path = directory / str(name)
+        if not path.is_file():
+            raise KBError(f"{path} is missing; rebuild the KB (d2r-edge index build)")
+        if path.stat().st_size != size:
+            raise KBError(f"{path} has {path.stat().st_size} bytes, the KB manifest recorded {size} "
+                          f"(truncated or replaced); rebuild the KB (d2r-edge index build)")
+
+
+def _read_chunks(path: Path) -> list[dict]:
+    chunks = []
     try:
-        with open(path / "chunks.jsonl", encoding="utf-8") as fh:
-            chunks = [json_line(line) for line in fh]
+        with open(path, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                row = json_line(line)
+                if not isinstance(row, dict) or not all(isinstance(row.get(k), t) for k, t in _CHUNK_KEYS.items()):
+                    raise KBError(f"{path} line {n}: not a chunk record; rebuild the KB")
+                chunks.append(row)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KBError(f"cannot read {path} ({exc}); rebuild the KB") from None
+    return chunks
+
+
+def _read_delta(path: Path, entry: dict) -> tuple[list[dict], np.ndarray]:
+    _check_sizes(path, entry.get("files"))
+    chunks = _read_chunks(path / "chunks.jsonl")
+    try:
         vectors = np.load(path / "embeddings.npy", allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise KBError(f"cannot read the KB's delta shard {path} ({exc}); rebuild the KB") from None
