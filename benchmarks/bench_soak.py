@@ -5,11 +5,15 @@ The demo claims cycled (unique ids), the extractive generator, the tiny models
 sampled from /proc every 0.5 s beside the count of records written; per-query
 latency is each record's `total_s`. Asserted, all from this one run:
 - nothing lost, nothing repeated: every id exactly once after the kill and resume;
-- per process, RSS after the last thousand queries within 10% of RSS after its first
-  thousand (warm-up excluded: models, arenas, caches fill in the first queries);
-- p50 latency of the last thousand queries within 10% of the p50 of queries 1,000-2,000.
+- per process, the RSS trend after warm-up (its first thousand queries: models, arenas and
+  caches fill there), fitted (Theil-Sen) over the queries it answered, within 10% of its RSS;
+- the p50 latency of each thousand queries (the first excluded), its fitted trend across the
+  whole run within 10% of the median. A fitted trend, not first-vs-last: windows of the same
+  code differ by +-15% on this shared machine, a leak or a slow-down adds up steadily.
 The curves go to `.benchmarks/soak.json` and, with the [report] extra, `.benchmarks/soak.png`.
-`D2R_SOAK_QUERIES` (default 20000) scales it.
+`D2R_SOAK_QUERIES` (default 20000) scales it: 20k queries take ~50 min on 2 cores with the tiny
+models (~150 ms per query: the random tiny BART decodes to its token limit for the KG check), so
+CI runs 3,000 and docs/results.md has the 20k run.
 """
 
 from __future__ import annotations
@@ -113,29 +117,41 @@ def test_soak_run_kill_resume(tmp_path):
     assert len(ids) == len(set(ids)) == N, (len(ids), len(set(ids)))      # nothing repeated, nothing lost
     assert not any(r.get("error") for r in records)
     latency = np.array([r["total_s"] for r in records])
-    p50_early = float(np.median(latency[WINDOW:2 * WINDOW]))
-    p50_late = float(np.median(latency[-WINDOW:]))
-    # each process: RSS once its first WINDOW queries are done vs at its end
+    windows = [float(np.median(latency[i:i + WINDOW])) for i in range(WINDOW, N - WINDOW + 1, WINDOW)]
+    # the fitted trend across the whole run, as a share of the median: robust to the minutes-long swings of
+    # a shared machine (windows of the same code differ by +-15% here), not to a steady slow-down
+    lat_trend = _theil_sen([i * WINDOW for i in range(len(windows))], windows) * N / float(np.median(latency))
     first_n = [s["records"] for s in samples if s["segment"] == 1][0]
-    rss = {0: (_rss_after(samples, 0, WINDOW), max(s["rss_mib"] for s in samples if s["segment"] == 0
-                                                   and s["records"] >= done_before - WINDOW)),
-           1: (_rss_after(samples, 1, first_n + WINDOW), [s["rss_mib"] for s in samples if s["segment"] == 1][-1])}
-    seg1 = [s for s in samples if s["segment"] == 1 and s["records"] >= first_n + WINDOW]
-    slope = (float(np.polyfit([s["records"] for s in seg1], [s["rss_mib"] for s in seg1], 1)[0]) * 1000
-             if len(seg1) > 2 else float("nan"))
-    result = {"queries": N, "window": WINDOW, "killed_after_records": done_before, "p50_early_s": p50_early,
-              "p50_late_s": p50_late, "p50_drift": p50_late / p50_early - 1,
-              "rss_mib": {str(k): {"after_warmup": a, "at_end": b, "growth": b / a - 1} for k, (a, b) in rss.items()},
-              "rss_slope_mib_per_1000_queries_resumed": slope, "models": str(models),
-              "wall_s": samples[-1]["t_s"] if samples else None, "samples": samples,
-              "latency_s_per_1000": [float(np.median(latency[i:i + 1000])) for i in range(0, N, 1000)]}
+    rss = {}
+    for seg, start, end in ((0, WINDOW, done_before), (1, first_n + WINDOW, N)):
+        pts = [s for s in samples if s["segment"] == seg and start <= s["records"] <= end]
+        xs, ys = [s["records"] for s in pts], [s["rss_mib"] for s in pts]
+        rss[seg] = {"after_warmup_mib": ys[0], "at_end_mib": ys[-1], "queries": end - start,
+                    "trend": _theil_sen(xs, ys) * (end - start) / float(np.median(ys))}
+    result = {"queries": N, "window": WINDOW, "killed_after_records": done_before,
+              "p50_first_window_s": windows[0], "p50_last_window_s": windows[-1], "latency_trend": lat_trend,
+              "rss": rss, "models": str(models), "wall_s": sum(_segment_wall(samples, k) for k in (0, 1)),
+              "samples": samples, "latency_p50_per_window_s": windows}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "soak.json").write_text(json.dumps(result, indent=1))
     _figure(result, latency, OUT / "soak.png")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("samples", "latency_s_per_1000")}, indent=1))
-    assert abs(p50_late / p50_early - 1) <= 0.10, (p50_early, p50_late)
-    for k, (a, b) in rss.items():
-        assert b <= a * 1.10, f"process {k}: RSS {a:.0f} MiB after warm-up, {b:.0f} MiB at its end"
+    print(json.dumps({k: v for k, v in result.items() if k not in ("samples", "latency_p50_per_window_s")},
+                     indent=1))
+    assert abs(lat_trend) <= 0.10, f"latency trend {lat_trend:+.1%} over the run (windows {windows})"
+    for seg, r in rss.items():
+        assert r["trend"] <= 0.10, f"process {seg}: RSS trend {r['trend']:+.1%} over {r['queries']} queries"
+
+
+def _theil_sen(xs, ys) -> float:
+    """Median of the pairwise slopes: a line through noisy points that one outlier cannot tilt."""
+    xs, ys = np.asarray(xs, float), np.asarray(ys, float)
+    i, j = np.triu_indices(len(xs), 1)
+    ok = xs[j] != xs[i]
+    return float(np.median((ys[j] - ys[i])[ok] / (xs[j] - xs[i])[ok])) if ok.any() else 0.0
+
+
+def _segment_wall(samples: list[dict], seg: int) -> float:
+    return max((s["t_s"] for s in samples if s["segment"] == seg), default=0.0)
 
 
 def _figure(result: dict, latency: np.ndarray, path: Path) -> None:
@@ -154,10 +170,11 @@ def _figure(result: dict, latency: np.ndarray, path: Path) -> None:
     a.set_xlabel("records written")
     a.set_ylabel("RSS (MiB)")
     a.legend()
-    x = np.arange(0, len(latency), 500)
-    b.plot(x, [1000 * np.median(latency[i:i + 500]) for i in x])
+    w = result["window"]
+    x = np.arange(0, len(latency), w)
+    b.plot(x, [1000 * np.median(latency[i:i + w]) for i in x])
     b.set_xlabel("query")
-    b.set_ylabel("p50 latency per 500 queries (ms)")
+    b.set_ylabel(f"p50 latency per {w} queries (ms)")
     fig.suptitle(f"d2r-edge run, {result['queries']} queries, killed after {result['killed_after_records']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

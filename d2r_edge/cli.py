@@ -246,7 +246,7 @@ def _detector(args: argparse.Namespace) -> Path | None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from d2r_edge.app import build_pipeline
-    from d2r_edge.runner import load_queries, process, summary
+    from d2r_edge.runner import load_queries, process, summary, summary_of
 
     queries = load_queries(Path(args.queries))
     if args.limit:
@@ -259,9 +259,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         from d2r_edge.engine.ray_run import run_queries
 
         rlog = run_queries(settings, queries, Path(args.out), _ray_config(args))
-    else:
-        rlog = process(build_pipeline(settings), queries, Path(args.out), learn=False)
-    print(summary(rlog.records))
+        print(summary(rlog.records))
+        return 0
+    process(build_pipeline(settings), queries, Path(args.out), learn=False, keep=False)
+    print(summary_of(Path(args.out)))
     return 0
 
 

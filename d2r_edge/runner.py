@@ -123,8 +123,9 @@ class RecordLog:
     kill during the rewrite leaves the old file or the new one, never a mix.
     """
 
-    def __init__(self, path: Path, drop=None, valid: Validator | None = None) -> None:
+    def __init__(self, path: Path, drop=None, valid: Validator | None = None, keep: bool = True) -> None:
         self.path = Path(path)
+        self.keep = keep                 # False: appended records go to the file only (a long run's memory stays flat)
         self.records: list[dict] = []
         damaged: list[int] = []
         if self.path.is_file():
@@ -167,7 +168,8 @@ class RecordLog:
         self._fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
         self._fh.flush()
         os.fsync(self._fh.fileno())
-        self.records.append(rec)
+        if self.keep:
+            self.records.append(rec)
 
     def close(self) -> None:
         self._fh.close()
@@ -218,13 +220,18 @@ def answer_query(pipeline, q: Query, learn: bool, epoch: int | None = None) -> d
 
 
 def process(pipeline, queries: list[Query], out: Path, learn: bool, epoch: int | None = None,
-            on_update=None) -> RecordLog:
-    """Run queries not yet in `out`; errors are recorded per query and the run goes on."""
+            on_update=None, keep: bool = True) -> RecordLog:
+    """Run queries not yet in `out`; errors are recorded per query and the run goes on.
+
+    `keep=False`: no record stays in memory (`run` over a long query stream: memory does not grow
+    with the queries answered); the returned log's `records` is then empty, `summary_of` reads the file."""
     from tqdm import tqdm
 
     # a query of this pass that failed before is tried again
-    rlog = RecordLog(out, drop=lambda r: is_error(r) and r.get("epoch") == epoch)
+    rlog = RecordLog(out, drop=lambda r: is_error(r) and r.get("epoch") == epoch, keep=keep)
     done = {(r.get("epoch"), r["id"]) for r in rlog.records}
+    if not keep:
+        rlog.records = []
     todo = [q for q in queries if (epoch, q.id) not in done]
     try:
         for q in tqdm(todo, desc="queries" if epoch is None else f"epoch {epoch}", disable=None):
@@ -235,6 +242,26 @@ def process(pipeline, queries: list[Query], out: Path, learn: bool, epoch: int |
     finally:
         rlog.close()
     return rlog
+
+
+_SUMMARY_KEYS = ("id", "epoch", "error", "failure", "repair", "repair_skipped", "repair_error", "first_correct",
+                 "final_correct", "total_s", "first_answer", "final_answer")
+
+
+def summary_of(path: Path) -> str:
+    """`summary` of a record file, read a line at a time keeping only what the summary shows."""
+    slim = []
+    with open(path, "rb") as fh:
+        for line in fh:
+            try:
+                rec = json_line(line) if line.strip() else None
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                rec = None
+            if isinstance(rec, dict) and "id" in rec:
+                row = {k: rec.get(k) for k in _SUMMARY_KEYS}
+                row["final"] = {"failure": (rec.get("final") or {}).get("failure")}
+                slim.append(row)
+    return summary(slim)
 
 
 def summary(records: list[dict]) -> str:
