@@ -13,7 +13,7 @@ latency is each record's `total_s`. Asserted, all from this one run:
 The curves go to `.benchmarks/soak.json` and, with the [report] extra, `.benchmarks/soak.png`.
 `D2R_SOAK_QUERIES` (default 20000) scales it: 20k queries take ~50 min on 2 cores with the tiny
 models (~150 ms per query: the random tiny BART decodes to its token limit for the KG check), so
-CI runs 3,000 and docs/results.md has the 20k run.
+CI runs 1,000 and docs/results.md has the 20k run.
 """
 
 from __future__ import annotations

@@ -224,11 +224,11 @@ def train(pipeline: Pipeline, queries, out: Path, policy_path: Path, epochs: int
     """Alg. 2: online passes over the queries. The policy is saved every `save_every_updates`
     updates and at the end of each epoch; every update is in the training log first, so after
     a crash the ones the saved policy lacks are replayed from it (`replay_missing_updates`)."""
-    from d2r_edge.runner import RecordLog, process
+    from d2r_edge.runner import RecordLog, process, run_record_ok
 
     if not isinstance(save_every_updates, int) or save_every_updates < 1:
         raise ConfigError(f"save_every_updates must be an int >= 1, got {save_every_updates!r}")
-    prior = RecordLog(out)
+    prior = RecordLog(out, valid=run_record_ok)
     prior.close()
     if replay_missing_updates(pipeline, prior.records):
         save_policy(pipeline, policy_path)

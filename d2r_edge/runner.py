@@ -109,6 +109,12 @@ def read_records(path: Path, valid: Validator | None = None) -> list[dict]:
     return _scan(Path(path).read_bytes(), valid)[0]
 
 
+def run_record_ok(rec: dict) -> bool:
+    """A `run`/`train` record a resume can trust: its query id and pass, and an answer or an error."""
+    return (isinstance(rec.get("id"), str) and isinstance(rec.get("epoch"), (int, type(None)))
+            and (bool(rec.get("error")) or isinstance(rec.get("final_answer"), str)))
+
+
 def is_error(rec: dict) -> bool:
     """A record that holds no answer (the query failed): a rerun does it again."""
     return bool(rec.get("error"))
@@ -120,7 +126,10 @@ class RecordLog:
 
     `drop`: records to take out when the log is opened (e.g. error records, so a rerun
     retries them); the file is then rewritten atomically (temp file, fsync, rename), so a
-    kill during the rewrite leaves the old file or the new one, never a mix.
+    kill during the rewrite leaves the old file or the new one, never a mix. Lines that are
+    not records - a crash's torn last line, or damage anywhere (not JSON, not an object, or
+    refused by `valid`, the log's own check of what its readers need) - are taken out the
+    same way and redone; the good records around them are kept.
     """
 
     def __init__(self, path: Path, drop=None, valid: Validator | None = None, keep: bool = True) -> None:
@@ -228,7 +237,7 @@ def process(pipeline, queries: list[Query], out: Path, learn: bool, epoch: int |
     from tqdm import tqdm
 
     # a query of this pass that failed before is tried again
-    rlog = RecordLog(out, drop=lambda r: is_error(r) and r.get("epoch") == epoch, keep=keep)
+    rlog = RecordLog(out, drop=lambda r: is_error(r) and r.get("epoch") == epoch, keep=keep, valid=run_record_ok)
     done = {(r.get("epoch"), r["id"]) for r in rlog.records}
     if not keep:
         rlog.records = []

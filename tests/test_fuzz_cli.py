@@ -231,12 +231,12 @@ def test_an_os_error_is_one_line_with_its_own_exit_code(capsys, world, tmp_path)
 
 
 @pytest.mark.slow
-def test_cli_with_more_examples():
-    """The same property searched 10x longer (the `slow` step)."""
+def test_cli_with_more_examples(tiny_models):
+    """The same property searched 5x longer (the `slow` step)."""
     import subprocess
     import sys
 
-    env = {**os.environ, "D2R_FUZZ_EXAMPLES": str(EXAMPLES * 10)}
+    env = {**os.environ, "D2R_FUZZ_EXAMPLES": str(EXAMPLES * 5), "D2R_TINY_MODELS": str(tiny_models)}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m",
                            "not slow"], env=env, capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stdout[-3000:]

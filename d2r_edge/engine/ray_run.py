@@ -27,7 +27,7 @@ from typing import Callable
 from d2r_edge.engine import RayConfig
 from d2r_edge.engine.ray_pool import ActorPool, PoolWorker, connect
 from d2r_edge.errors import InputError
-from d2r_edge.runner import Query, RecordLog, answer_query, is_error
+from d2r_edge.runner import Query, RecordLog, answer_query, is_error, run_record_ok
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def run_queries(settings, queries: list[Query], out: Path, cfg: RayConfig,
     from tqdm import tqdm
 
     check_parallel_safe(settings)
-    rlog = RecordLog(out, drop=is_error)       # a query that failed before is tried again
+    rlog = RecordLog(out, drop=is_error, valid=run_record_ok)       # a query that failed before is tried again
     done = {r["id"] for r in rlog.records if r.get("epoch") is None}
     todo = [q for q in queries if q.id not in done]
     if not todo:
