@@ -9,7 +9,8 @@ latency is each record's `total_s`. Asserted, all from this one run:
   caches fill there), fitted (Theil-Sen) over the queries it answered, within 10% of its RSS;
 - the p50 latency of each thousand queries (the first excluded), its fitted trend across the
   whole run within 10% of the median. A fitted trend, not first-vs-last: windows of the same
-  code differ by +-15% on this shared machine, a leak or a slow-down adds up steadily.
+  code differ by +-15% on this shared machine, a leak or a slow-down adds up steadily. Asserted
+  from 10,000 queries up (a shorter run records it).
 The curves go to `.benchmarks/soak.json` and, with the [report] extra, `.benchmarks/soak.png`.
 `D2R_SOAK_QUERIES` (default 20000) scales it: 20k queries take ~50 min on 2 cores with the tiny
 models (~150 ms per query: the random tiny BART decodes to its token limit for the KG check), so
@@ -137,7 +138,10 @@ def test_soak_run_kill_resume(tmp_path):
     _figure(result, latency, OUT / "soak.png")
     print(json.dumps({k: v for k, v in result.items() if k not in ("samples", "latency_p50_per_window_s")},
                      indent=1))
-    assert abs(lat_trend) <= 0.10, f"latency trend {lat_trend:+.1%} over the run (windows {windows})"
+    if N >= 10_000:
+        # on a short run (CI's 1,000 queries, ~3 min) minute-scale swings of a shared machine (+-15% per window
+        # here) are as large as the bound: recorded in soak.json, asserted only on a long run
+        assert abs(lat_trend) <= 0.10, f"latency trend {lat_trend:+.1%} over the run (windows {windows})"
     for seg, r in rss.items():
         assert r["trend"] <= 0.10, f"process {seg}: RSS trend {r['trend']:+.1%} over {r['queries']} queries"
 
