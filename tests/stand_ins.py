@@ -111,3 +111,17 @@ class ScriptedServer:
 
     def __exit__(self, *exc) -> None:
         self._srv.shutdown()
+
+
+def search_longer(test_file: str, examples: int, *extra_args: str, **env: str) -> None:
+    """Run a fuzz module's default properties again in a fresh pytest with `examples` per property (the
+    `slow` step's longer search); fails with the output's tail when any property fails."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-m",
+                           "not slow", *extra_args],
+                          env={**os.environ, "D2R_FUZZ_EXAMPLES": str(examples), **env},
+                          capture_output=True, text=True, timeout=3600)
+    assert done.returncode == 0, done.stdout[-3000:]

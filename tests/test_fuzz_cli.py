@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from stand_ins import search_longer
 
 from d2r_edge import errors
 from d2r_edge.cli import INTERNAL_ERROR_EXIT, OS_ERROR_EXIT, build_parser, main
@@ -233,10 +234,4 @@ def test_an_os_error_is_one_line_with_its_own_exit_code(capsys, world, tmp_path)
 @pytest.mark.slow
 def test_cli_with_more_examples(tiny_models):
     """The same property searched 5x longer (the `slow` step)."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "D2R_FUZZ_EXAMPLES": str(EXAMPLES * 5), "D2R_TINY_MODELS": str(tiny_models)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m",
-                           "not slow"], env=env, capture_output=True, text=True, timeout=3600)
-    assert done.returncode == 0, done.stdout[-3000:]
+    search_longer(__file__, EXAMPLES * 5, D2R_TINY_MODELS=str(tiny_models))

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from stand_ins import search_longer
 
 from d2r_edge.errors import D2RError
 
@@ -412,10 +413,4 @@ def test_a_damaged_eval_out_gives_the_same_results_or_one_clear_error(tmp_path_f
 @pytest.mark.slow
 def test_files_with_more_examples(tiny_models):
     """The same properties searched 5x longer (the `slow` step; the eval-folder examples rerun the CLI)."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "D2R_FUZZ_EXAMPLES": str(EXAMPLES * 5), "D2R_TINY_MODELS": str(tiny_models)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m",
-                           "not slow"], env=env, capture_output=True, text=True, timeout=3600)
-    assert done.returncode == 0, done.stdout[-3000:]
+    search_longer(__file__, EXAMPLES * 5, D2R_TINY_MODELS=str(tiny_models))

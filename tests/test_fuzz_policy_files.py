@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from stand_ins import search_longer
 
 from d2r_edge.budget import CostModel
 from d2r_edge.errors import D2RError
@@ -123,11 +124,4 @@ def test_a_truncated_policy_file_is_refused(tmp_path):
 @pytest.mark.slow
 def test_policy_files_with_more_examples():
     """The same property searched 20x longer (the `slow` step)."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "D2R_FUZZ_EXAMPLES": str(EXAMPLES * 20)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m",
-                           "not slow", "-W", "error::RuntimeWarning"], env=env, capture_output=True, text=True,
-                          timeout=3600)
-    assert done.returncode == 0, done.stdout[-3000:]
+    search_longer(__file__, EXAMPLES * 20, "-W", "error::RuntimeWarning")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from stand_ins import search_longer
 
 from d2r_edge.errors import D2RError
 
@@ -206,10 +207,4 @@ def test_found_rows_of_other_shapes_in_query_sets_and_trajectories_are_skipped_l
 @pytest.mark.slow
 def test_readers_with_more_examples(tmp_path):
     """The same properties searched 20x longer (the `slow` step)."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "D2R_FUZZ_EXAMPLES": str(EXAMPLES * 20)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m",
-                           "not slow"], env=env, capture_output=True, text=True, timeout=3600)
-    assert done.returncode == 0, done.stdout[-3000:]
+    search_longer(__file__, EXAMPLES * 20)
