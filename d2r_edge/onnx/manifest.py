@@ -264,7 +264,7 @@ def _role_entry(role: Role, raw: Any, path: Path) -> RoleEntry:
         generation = dict(_mapping(raw.get("generation"), where, "generation"))
         bad = sorted(str(k) for k, v in generation.items() if not isinstance(v, _GENERATION_TYPES))
         if bad:
-            raise ValueError(f"generation values {bad} are not numbers")
+            raise ValueError(f"generation values {bad} are not scalars")
         for block in ("source", "validation", "parity", "training"):
             _mapping(raw.get(block), where, block)
         variants_raw = _mapping(raw["variants"], where, "variants")
