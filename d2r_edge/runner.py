@@ -77,11 +77,11 @@ Validator = Callable[[dict], bool]
 
 def _scan(data: bytes, valid: Validator | None) -> tuple[list[dict], list[int], bool]:
     """(records, numbers of the lines that are not records, whether only the last line is bad)."""
-    records, bad = [], []
-    lines = data.split(b"\n")
-    for n, raw in enumerate(lines, 1):
+    records, bad, last = [], [], 0
+    for n, raw in enumerate(data.split(b"\n"), 1):
         if not raw.strip():
             continue
+        last = n
         try:
             row = json_line(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -90,7 +90,6 @@ def _scan(data: bytes, valid: Validator | None) -> tuple[list[dict], list[int], 
             records.append(row)
         else:
             bad.append(n)
-    last = max((n for n, raw in enumerate(lines, 1) if raw.strip()), default=0)
     return records, bad, bad == [last] and not data.endswith(b"\n")
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stand_ins import search_longer
+from stand_ins import hash_nli_scores, search_longer
 
 from d2r_edge.errors import D2RError
 
@@ -299,14 +299,6 @@ def test_found_a_truncated_kb_file_is_refused_before_it_is_parsed(kb_and_embedde
 
 # --- eval answers --out folders ----------------------------------------------------------------------
 
-_HASH_NLI = f'''
-import sys
-sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
-from d2r_edge.onnx.encoders import NLI
-from stand_ins import hash_nli_scores
-
-NLI.score = lambda self, pairs: hash_nli_scores(pairs)
-'''
 _METHODS = "naive,best_fixed,linucb,oracle"
 # what a record may change when its attempt was computed again: the measured cost
 _MEASURED = {"latency_s", "mem_growth_mib", "memory_kind", "over_budget"}
@@ -318,17 +310,21 @@ def _eval_args(queries: Path, models: Path, out: Path) -> list[str]:
             "--bootstrap", "100", "--methods", _METHODS]
 
 
-def _eval(args: list[str], capsys) -> tuple[int, str]:
+def _main_with_hash_nli(args: list[str]) -> int:
+    """`d2r-edge ARGS` in this process with the varied stand-in NLI, so failures and repairs occur."""
     from d2r_edge.cli import main
     from d2r_edge.onnx.encoders import NLI
 
     real = NLI.score
-    exec(_HASH_NLI, {})
+    NLI.score = lambda self, pairs: hash_nli_scores(pairs)
     try:
-        rc = main(args)
+        return main(args)
     finally:
         NLI.score = real
-    return rc, capsys.readouterr().err
+
+
+def _eval(args: list[str], capsys) -> tuple[int, str]:
+    return _main_with_hash_nli(args), capsys.readouterr().err
 
 
 def _method_records(out: Path) -> dict[str, list[dict]]:
@@ -343,15 +339,7 @@ def evaluated_out(tmp_path_factory, tiny_models, shared_data):
     queries = root / "fever.jsonl"
     lines = (shared_data / "fever" / "dev.jsonl").read_text(encoding="utf-8").splitlines()[:60]
     queries.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    from d2r_edge.cli import main
-    from d2r_edge.onnx.encoders import NLI
-
-    real = NLI.score
-    exec(_HASH_NLI, {})
-    try:
-        assert main(_eval_args(queries, tiny_models, root / "out")) == 0
-    finally:
-        NLI.score = real
+    assert _main_with_hash_nli(_eval_args(queries, tiny_models, root / "out")) == 0
     return queries, root / "out"
 
 

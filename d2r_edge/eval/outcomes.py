@@ -76,6 +76,10 @@ def attempt_from_json(row: dict, chunks: list[dict]) -> Attempt:
                    {str(k): float(v) for k, v in dict(row["timings_s"]).items()})
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _text(value) -> str:
     if not isinstance(value, str):
         raise TypeError(f"expected text, got {type(value).__name__}")
@@ -84,8 +88,7 @@ def _text(value) -> str:
 
 def _probs(rows) -> list:
     """Per-passage NLI probabilities as stored ({label: p} per passage), checked to be that."""
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in r.values()) for r in rows):
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(map(_is_number, r.values())) for r in rows):
         raise TypeError("NLI probabilities are not a list of {label: probability}")
     return rows
 
@@ -109,8 +112,7 @@ def generation_row_ok(row: dict) -> bool:
 def _logprobs(row: dict) -> tuple[float, ...] | None:
     """Stored answer-token log-probabilities; None where none were given (or rows written before them)."""
     lp = row.get("logprobs")
-    if lp is not None and not (isinstance(lp, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                         for v in lp)):
+    if lp is not None and not (isinstance(lp, list) and all(map(_is_number, lp))):
         raise TypeError("logprobs is not a list of numbers")
     return None if lp is None else tuple(float(v) for v in lp)
 

@@ -480,8 +480,9 @@ def _check_sizes(directory: Path, sizes) -> None:
         path = directory / str(name)
         if not path.is_file():
             raise KBError(f"{path} is missing; rebuild the KB (d2r-edge index build)")
-        if path.stat().st_size != size:
-            raise KBError(f"{path} has {path.stat().st_size} bytes, the KB manifest recorded {size} "
+        have = path.stat().st_size
+        if have != size:
+            raise KBError(f"{path} has {have} bytes, the KB manifest recorded {size} "
                           f"(truncated or replaced); rebuild the KB (d2r-edge index build)")
 
 
