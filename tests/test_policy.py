@@ -8,7 +8,7 @@ import pytest
 from d2r_edge.config import ExplorationConfig
 from d2r_edge.errors import PolicyError, PolicyFileError
 from d2r_edge.policy import Explorer, LinUCB, ThompsonSampling, exploration_weights
-from d2r_edge.policy.linucb import exact_inverse
+from d2r_edge.policy.linucb import _ucb_select, exact_inverse
 
 
 class ReferenceLinUCB:
@@ -288,6 +288,33 @@ def test_select_from_the_float32_mirror_is_the_float64_argmax(tmp_path):
     loaded = LinUCB.load(tmp_path / "p.npz")
     assert np.array_equal(loaded._a_inv32, pol._a_inv32) and loaded.select(x) == pol.select(x)
 
+
+
+def test_select_float32_bounds_hold_at_extreme_scales_and_stay_tight():
+    """The float32 path scales x by a power of two: subnormal, huge and mixed-scale contexts still
+    pick the float64 argmax, and on ordinary contexts the bounds separate the arms without the
+    float64 recomputation (a vacuous bound would be right but as slow as float64)."""
+    rng = np.random.default_rng(11)
+    dim = 60
+    pol = LinUCB(11, dim, alpha=2.0)
+    for _ in range(400):
+        pol.update(int(rng.integers(11)), rng.normal(size=dim) * rng.choice([1e-3, 1.0, 50.0]), float(rng.random()))
+    allowed = np.ones(11, dtype=bool)
+    for scale in (1e-300, 1e-42, 1e-20, 1e-3, 1.0, 1e6, 1e150, 1e200):
+        for _ in range(30):
+            x = rng.normal(size=dim) * scale
+            x[rng.random(dim) < 0.3] *= 1e-30                      # mixed: some entries far below the rest
+            assert pol.select(x) == int(np.argmax(pol.scores(x))), scale
+    lo, hi, x32 = np.empty(11), np.empty(11), np.empty(dim, dtype=np.float32)
+    separated = 0
+    for _ in range(200):
+        x = rng.normal(size=dim)
+        _ucb_select(pol.A_inv, pol._a_inv32, pol.theta, x, 2.0, allowed, lo, hi, x32)
+        scores = pol.scores(x)
+        assert np.all(lo <= scores) and np.all(scores <= hi)
+        assert np.all((hi - lo) <= 1e-4 * np.abs(scores))
+        separated += int(np.sum(hi >= lo.max()) == 1)
+    assert separated >= 190
 
 def test_thompson_keyed_draws_do_not_depend_on_query_order():
     """A frozen policy answering query q draws from (seed, posterior, q): the same arm for q

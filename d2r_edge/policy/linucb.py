@@ -8,11 +8,14 @@ large d. (Reading only the upper triangle of the symmetric A_inv halves the
 bytes but breaks numba's vectorization of the inner loop: measured 3-5x
 slower, so rows are read whole.)
 
-`select` reads a float32 mirror of A_inv instead (half the bytes; d=786, 11
-arms: 0.68 ms vs 1.33 ms) and accumulates in float64, with a rigorous bound on
-what the float32 storage can change in each quadratic form. Arms the bounds
-cannot separate from the best are recomputed from the float64 A_inv, so the
-choice is always the one the float64 computation makes. `scores` stays float64.
+`select` reads a float32 mirror of A_inv instead (half the bytes) and does the
+quadratic forms' inner sums in float32 too (the context scaled by a power of
+two into [-1, 1]: no overflow, no rounding from the scaling), with a rigorous
+bound on what the float32 storage and arithmetic can change in each quadratic
+form. Arms the bounds cannot separate from the best are recomputed from the
+float64 A_inv, so the choice is always the one the float64 computation makes.
+`scores` stays float64. d = 147, 11 arms, this VM: 63 -> 36 us p50
+(benchmarks/bench_policy.py).
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ log = logging.getLogger(__name__)
 KIND = "linucb"
 
 
-_F32_EPS = 2.0 ** -24      # relative rounding of a float64 stored as float32
+_F32_EPS = 2.0 ** -24      # unit roundoff of float32 (relative error of one rounding)
 _F64_EPS = 2.0 ** -53
+_F32_UNDERFLOW = 2.0 ** -150   # absolute error of one float32 rounding into the subnormal range
 
 
 @njit(cache=True, fastmath=True, nogil=True)
@@ -83,10 +87,28 @@ def _ucb_scores(a_inv, theta, x, alpha, allowed, out):  # pragma: no cover - jit
 
 # reassociation lets the reductions vectorize; no nnan/ninf: this code compares against -inf
 @njit(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"}, nogil=True)
-def _ucb_select(a_inv, a_inv32, theta, x, alpha, allowed, lo, hi):  # pragma: no cover - jitted
-    """The argmax `_ucb_scores` gives (lowest index on ties), reading mostly the float32 mirror."""
+def _ucb_select(a_inv, a_inv32, theta, x, alpha, allowed, lo, hi, x32):  # pragma: no cover - jitted
+    """The argmax `_ucb_scores` gives (lowest index on ties), reading mostly the float32 mirror.
+
+    Error bound of the float32 path, per arm, relative to mag = sum_ij |A_ij x_i x_j|: every
+    inner sum has d float32 products and d - 1 additions in any order (gamma_d), the row's
+    product by x_i one more rounding, x's and A's float32 storage one each per factor (3), the
+    outer float64 sum and the float64 path's own sums 4 (d + 2) float64 roundings. Roundings
+    into the subnormal range add an absolute 2^-150 each (at most 4 per term and one per row,
+    with |A_ij| <= 1 as A = I + sum x x^T and |x| <= 1 after scaling). The computed mag is
+    itself within gamma_(d+2) of the true one: the 1.01 covers it and gamma's denominators.
+    """
     n, d = theta.shape
-    slack = _F32_EPS * 1.001 + 4.0 * (d + 2) * _F64_EPS     # storage + both paths' float64 sums
+    big = 0.0
+    for j in range(d):
+        big = max(big, abs(x[j]))
+    _, exp = math.frexp(big)                 # big < 2^exp: x / 2^exp is in (-1, 1), exactly
+    inv_scale = math.ldexp(1.0, -exp)
+    scale2 = math.ldexp(1.0, 2 * exp)
+    for j in range(d):
+        x32[j] = x[j] * inv_scale
+    slack = (d + 8) * _F32_EPS * 1.01 + 4.0 * (d + 2) * _F64_EPS
+    floor = (4.0 * d * d + d) * _F32_UNDERFLOW * 1.01 * scale2
     best_lo = -np.inf
     for a in range(n):
         lo[a] = -np.inf
@@ -96,16 +118,20 @@ def _ucb_select(a_inv, a_inv32, theta, x, alpha, allowed, lo, hi):  # pragma: no
         quad = 0.0
         mag = 0.0
         for i in range(d):
-            acc = 0.0
-            acc_abs = 0.0
+            acc = np.float32(0.0)
+            acc_abs = np.float32(0.0)
             for j in range(d):
-                v = a_inv32[a, i, j] * x[j]
+                v = a_inv32[a, i, j] * x32[j]
                 acc += v
                 acc_abs += abs(v)
-            quad += acc * x[i]
-            mag += acc_abs * abs(x[i])
-        err = mag * slack
+            quad += acc * x32[i]
+            mag += acc_abs * abs(x32[i])
+        quad *= scale2
+        err = mag * scale2 * slack + floor
         mean = _mean(theta, a, x)
+        if not (math.isfinite(quad) and math.isfinite(err)):
+            hi[a] = np.inf                  # no bound: always a candidate, decided in float64
+            continue
         lo[a] = mean + alpha * math.sqrt(max(quad - err, 0.0))
         hi[a] = mean + alpha * math.sqrt(max(quad + err, 0.0))
         lo[a] -= 1e-12 * abs(lo[a])
@@ -220,14 +246,15 @@ class LinUCB:
         the choice is a function of `x` alone)."""
         x = check_x(x, self.dim)
         mask = check_allowed(allowed, self.n_arms)
-        lo, hi = self._scratch()
-        return int(_ucb_select(self.A_inv, self._a_inv32, self.theta, x, float(self.alpha), mask, lo, hi))
+        lo, hi, x32 = self._scratch()
+        return int(_ucb_select(self.A_inv, self._a_inv32, self.theta, x, float(self.alpha), mask, lo, hi, x32))
 
-    def _scratch(self) -> tuple[np.ndarray, np.ndarray]:
-        """select's scratch, one pair per thread: the kernel releases the GIL, so a shared pair raced."""
+    def _scratch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """select's scratch, one set per thread: the kernel releases the GIL, so a shared set raced."""
         bufs = getattr(self._local, "bufs", None)
         if bufs is None:
-            bufs = self._local.bufs = (np.empty(self.n_arms), np.empty(self.n_arms))
+            bufs = self._local.bufs = (np.empty(self.n_arms), np.empty(self.n_arms),
+                                       np.empty(self.dim, dtype=np.float32))
         return bufs
 
     def update(self, arm: int, x: np.ndarray, reward: float) -> None:
