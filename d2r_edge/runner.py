@@ -75,22 +75,31 @@ def load_queries(path: Path) -> list[Query]:
 Validator = Callable[[dict], bool]
 
 
-def _scan(data: bytes, valid: Validator | None) -> tuple[list[dict], list[int], bool]:
-    """(records, numbers of the lines that are not records, whether only the last line is bad)."""
-    records, bad, last = [], [], 0
-    for n, raw in enumerate(data.split(b"\n"), 1):
+def _scan(lines, valid: Validator | None, slim=None, drop=None) -> tuple[list, list[int], bool, int]:
+    """(records - or `slim(record)` of each - not dropped, numbers of the lines that are not records,
+    whether only the last line is bad (a torn write), how many records `drop` took out).
+    `lines`: the file's lines with their newlines (a file object streams)."""
+    records, bad, last, dropped, ends = [], [], 0, 0, True
+    for n, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
-        last = n
-        try:
-            row = json_line(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            row = None
-        if isinstance(row, dict) and (valid is None or _checked(valid, row)):
-            records.append(row)
-        else:
+        last, ends = n, raw.endswith(b"\n")
+        row = _record(raw, valid)
+        if row is None:
             bad.append(n)
-    return records, bad, bad == [last] and not data.endswith(b"\n")
+        elif drop is not None and drop(row):
+            dropped += 1
+        else:
+            records.append(row if slim is None else slim(row))
+    return records, bad, bad == [last] and not ends, dropped
+
+
+def _record(raw: bytes, valid: Validator | None) -> dict | None:
+    try:
+        row = json_line(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return row if isinstance(row, dict) and (valid is None or _checked(valid, row)) else None
 
 
 def _checked(valid: Validator, row: dict) -> bool:
@@ -105,7 +114,8 @@ def read_records(path: Path, valid: Validator | None = None) -> list[dict]:
     records, e.g. a torn last line, are left out)."""
     if not Path(path).is_file():
         return []
-    return _scan(Path(path).read_bytes(), valid)[0]
+    with open(path, "rb") as fh:
+        return _scan(fh, valid)[0]
 
 
 def run_record_ok(rec: dict) -> bool:
@@ -131,14 +141,20 @@ class RecordLog:
     same way and redone; the good records around them are kept.
     """
 
-    def __init__(self, path: Path, drop=None, valid: Validator | None = None, keep: bool = True) -> None:
+    def __init__(self, path: Path, drop=None, valid: Validator | None = None, keep: bool = True,
+                 slim=None) -> None:
         self.path = Path(path)
-        self.keep = keep                 # False: appended records go to the file only (a long run's memory stays flat)
-        self.records: list[dict] = []
+        # keep=False: the file is read a line at a time and appended records go to the file only, so
+        # a long run's memory does not grow with its records; `records` then holds `slim(record)`
+        # of the records found on open (what a resume needs, e.g. the ids), or nothing.
+        self.keep = keep
+        self.records: list = []
         damaged: list[int] = []
+        dropped = 0
         if self.path.is_file():
-            data = self.path.read_bytes()
-            self.records, damaged, torn = _scan(data, valid)
+            with open(self.path, "rb") as fh:
+                records, damaged, torn, dropped = _scan(fh, valid, None if keep else slim, drop)
+            self.records = records if keep or slim is not None else []
             if torn:
                 log.warning("%s: cut a torn last record; it will be redone", self.path)
             elif damaged:
@@ -148,12 +164,28 @@ class RecordLog:
                 log.warning("%s: %d line(s) are not records of this log (line %s); they are taken out "
                             "and redone", self.path, len(damaged), shown)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if damaged or (drop is not None and any(drop(r) for r in self.records)):
-            n = len(self.records)
-            self.rewrite([r for r in self.records if drop is None or not drop(r)])
-            if n > len(self.records):
-                log.info("%s: %d record(s) taken out to be redone", self.path, n - len(self.records))
+        if damaged or dropped:
+            if keep:
+                self.rewrite(self.records)
+            else:
+                self._rewrite_kept(valid, drop)
+            if dropped:
+                log.info("%s: %d record(s) taken out to be redone", self.path, dropped)
         self._fh = open(self.path, "a", encoding="utf-8")
+
+    def _rewrite_kept(self, valid: Validator | None, drop) -> None:
+        """keep=False's rewrite: the file's good lines not dropped, copied as they are, a line at a time
+        (atomically, as `rewrite`)."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(self.path, "rb") as src, open(tmp, "wb") as out:
+            for raw in src:
+                row = _record(raw, valid) if raw.strip() else None
+                if row is not None and (drop is None or not drop(row)):
+                    out.write(raw if raw.endswith(b"\n") else raw + b"\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
 
     def rewrite(self, records: list[dict]) -> None:
         """Replace the file's records atomically (compaction); appends then continue on the new file."""
@@ -236,8 +268,12 @@ def process(pipeline, queries: list[Query], out: Path, learn: bool, epoch: int |
     from tqdm import tqdm
 
     # a query of this pass that failed before is tried again
-    rlog = RecordLog(out, drop=lambda r: is_error(r) and r.get("epoch") == epoch, keep=keep, valid=run_record_ok)
-    done = {(r.get("epoch"), r["id"]) for r in rlog.records}
+    def key(r: dict) -> tuple:
+        return r.get("epoch"), r["id"]
+
+    rlog = RecordLog(out, drop=lambda r: is_error(r) and r.get("epoch") == epoch, keep=keep, valid=run_record_ok,
+                     slim=key)
+    done = set(map(key, rlog.records) if keep else rlog.records)
     if not keep:
         rlog.records = []
     todo = [q for q in queries if (epoch, q.id) not in done]

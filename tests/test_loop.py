@@ -84,6 +84,33 @@ def test_fifty_claims_every_record_complete_and_resume_exact(world, tiny_models,
     assert "naive (first answer) accuracy" in text and "D2R (final answer)" in text
 
 
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_record_log_open_drops_damage_and_redo_records_in_both_modes(tmp_path, keep):
+    """keep=False (`run`) reads the log a line at a time and keeps only each record's key: the same
+    records are found, damaged lines and records to redo taken out, good lines left byte for byte."""
+    from d2r_edge.runner import RecordLog, run_record_ok
+
+    good = [{"id": f"q{i}", "epoch": None, "final_answer": f"a{i}", "error": None, "x": "é"} for i in range(5)]
+    failed = {"id": "q9", "epoch": None, "final_answer": None, "error": "Timeout: x"}
+    lines = [json.dumps(good[0]), json.dumps(good[1], ensure_ascii=False), "not json", json.dumps(failed),
+             json.dumps({"id": 3}), "", json.dumps(good[2]), json.dumps(good[3]) + "   ", '{"id": "torn", "fi']
+    out = tmp_path / "run.jsonl"
+    out.write_text("\n".join(lines), encoding="utf-8")
+    rlog = RecordLog(out, drop=lambda r: bool(r.get("error")), valid=run_record_ok, keep=keep,
+                     slim=lambda r: r["id"])
+    rlog.append(good[4])
+    rlog.close()
+    want = ["q0", "q1", "q2", "q3"]
+    assert rlog.records == (good[:4] if keep else want) + ([good[4]] if keep else [])
+    text = out.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(t)["id"] for t in text] == want + ["q4"]
+    if not keep:                                   # copied as they were (not re-serialized)
+        assert text[:4] == [lines[0], lines[1], lines[6], lines[7]]
+    again = RecordLog(out, valid=run_record_ok, keep=keep, slim=lambda r: r["id"])
+    again.close()
+    assert again.records[-1] == (good[4] if keep else "q4")
+
 def test_train_two_epochs_then_resume_replays_nothing_twice(world, tiny_models, tmp_path):
     _, _, qpath = world
     queries = load_queries(qpath)[:15]
