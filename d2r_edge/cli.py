@@ -266,6 +266,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from d2r_edge.serve import ServeConfig, serve
+
+    settings = _settings(args)
+    if args.learn and settings.policy_path is not None:
+        settings = dataclasses.replace(settings, create_policy=True)    # --learn may start the file
+    config = ServeConfig(records_path=Path(args.records) if args.records else None, learn=args.learn,
+                         policy_path=settings.policy_path, checkpoint_every_updates=args.checkpoint_every,
+                         api_key_env=args.serve_key_env, max_concurrency=args.max_concurrency,
+                         max_body_bytes=args.max_body_bytes)
+    serve(settings, config, host=args.host, port=args.port)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from d2r_edge.app import build_pipeline, detector_path, fit_detector_on_queries, train
     from d2r_edge.runner import load_queries, summary
@@ -301,10 +315,16 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="JSONL records; rerun with the same file to resume: recorded queries are skipped, "
                         "queries recorded with an error (no answer) are tried again")
     p.add_argument("--limit", type=int, default=None, help="only the first N queries")
+    _pipeline_args(p)
+    _engine_args(p)
+
+
+def _pipeline_args(p: argparse.ArgumentParser, generator_key_flag: str = "--api-key-env") -> None:
+    """What RunSettings reads (`_settings`): run, train and serve."""
     p.add_argument("--policy", default=None, help="policy .npz (loaded if present; train saves it)")
     p.add_argument("--policy-kind", default="linucb", choices=["linucb", "thompson"])
     p.add_argument("--alpha", type=float, default=2.0, help="LinUCB exploration (paper: 2)")
-    _generator_args(p)
+    _generator_args(p, generator_key_flag)
     p.add_argument("--unconstrained", action="store_true", help="ablation: no hard budget gates in the reward")
     p.add_argument("--unweighted", action="store_true", help="ablation: no cost weighting in the reward")
     p.add_argument("--explore", type=float, default=0.0, help="weighted random exploration rate (train)")
@@ -315,7 +335,6 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "`train --gate calibrated` fits on the labeled queries); when loaded, records carry "
                         "p_wrong under either gate")
     _model_args(p)
-    _engine_args(p)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -336,14 +355,15 @@ def _ray_config(args: argparse.Namespace):
                      batch_queries=args.batch_queries)
 
 
-def _generator_args(p: argparse.ArgumentParser) -> None:
+def _generator_args(p: argparse.ArgumentParser, key_flag: str = "--api-key-env") -> None:
     from d2r_edge.generate.registry import GENERATORS
 
     p.add_argument("--generator", default="extractive", choices=list(GENERATORS),
                    help="; ".join(f"{g.name}: {g.help}" for g in GENERATORS.values()))
     p.add_argument("--base-url", default="http://127.0.0.1:8080/v1", help="OpenAI-compatible server")
     p.add_argument("--model", default="local", help="model name sent to the server")
-    p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
+    p.add_argument(key_flag, dest="api_key_env", default="OPENAI_API_KEY",
+                   help="environment variable holding the generator server's key")
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--budget-latency-s", type=float, default=3.0, help="per repair action (paper: 3 s)")
     p.add_argument("--budget-mem-mib", type=float, default=6.0, help="per repair action (paper: 6 MB)")
@@ -467,6 +487,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="answer queries with diagnose-and-repair; one JSON record per query")
     _run_args(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible endpoint that answers, verifies and repairs "
+                                     "(the [serve] extra)")
+    p.add_argument("--kb", required=True, help="knowledge-base directory (d2r-edge index build)")
+    p.add_argument("--task", required=True, choices=["fever", "qa"])
+    _pipeline_args(p, generator_key_flag="--generator-api-key-env")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--records", default=None,
+                   help="JSONL: one record per answered request (the run schema + request_id), fsynced")
+    p.add_argument("--learn", action="store_true",
+                   help="update the policy online (Alg. 2, label-free) and checkpoint it to --policy every "
+                        "--checkpoint-every updates and on shutdown; frozen otherwise")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="--learn: checkpoint every N updates")
+    p.add_argument("--api-key-env", dest="serve_key_env", default=None, metavar="NAME",
+                   help="require 'Authorization: Bearer $NAME' on every route but /healthz")
+    p.add_argument("--max-concurrency", type=int, default=8,
+                   help="requests admitted at once (answered one at a time, the rest wait); more get 429")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("train", help="learn the repair policy online (Alg. 2) and save it")
     _run_args(p)

@@ -147,8 +147,19 @@ class Pipeline:
         t["diagnose_s"] = time.perf_counter() - t0
         return Attempt(passages, gen, diag, t)
 
-    def run(self, query: str, learn: bool) -> dict:
+    def run(self, query: str, learn: bool, deadline_s: float | None = None) -> dict:
         """Answer one query with at most one repair (Alg. 2 l.6-15); returns the record."""
+        return self.run_attempts(query, learn, deadline_s)[0]
+
+    def run_attempts(self, query: str, learn: bool,
+                     deadline_s: float | None = None) -> tuple[dict, Attempt, Attempt]:
+        """`run`'s record with the first and the final attempt (the same one when not repaired).
+
+        `deadline_s`: the whole query's wall-clock limit (generator included). A repair is then
+        attempted only with an arm whose predicted cost fits in what the first attempt left: the
+        cost model's prediction, or for an arm it has not measured yet, the first attempt's own
+        time (a repair is one more retrieve-generate-diagnose). Otherwise the first answer stands
+        and `repair_skipped` says why."""
         t_start = time.perf_counter()
         q_vec = self.retriever.embed(query)   # once: both attempts and the context vector use it
         embed_s = time.perf_counter() - t_start
@@ -163,6 +174,15 @@ class Pipeline:
             rec["detector_signals"] = record_signals(signals)
         final = first
         allowed = self.allowed(first.diagnosis)
+        if repair and allowed.any() and deadline_s is not None:
+            left_s = deadline_s - (time.perf_counter() - t_start)
+            fits, cheapest_s = self.fits_deadline(allowed, left_s, first)
+            if not fits.any():
+                rec["repair_skipped"] = {"reason": "the deadline leaves no time for a repair",
+                                         "deadline_s": deadline_s, "left_s": left_s,
+                                         "cheapest_predicted_s": cheapest_s}
+                repair = False
+            allowed = fits
         if repair and not allowed.any():
             # no arm both allowed and runnable with the loaded models: the first answer stands
             rec["repair_skipped"] = {"reason": "no allowed arm can run with the loaded models",
@@ -184,7 +204,15 @@ class Pipeline:
         if kb is not None:   # which KB answered: its version on disk, and what a refresh added in memory
             rec["kb_version"], rec["kb_docs_added_in_memory"] = kb.version, kb.session_docs
         rec["total_s"] = time.perf_counter() - t_start
-        return rec
+        return rec, first, final
+
+    def fits_deadline(self, allowed: np.ndarray, left_s: float, first: Attempt) -> tuple[np.ndarray, float]:
+        """(allowed arms predicted to finish within `left_s`, the cheapest prediction among them)."""
+        predicted = self.costs.predict()[:, 0]
+        own_s = sum(first.timings_s.get(k, 0.0) for k in STAGES if k != "embed_query_s")
+        predicted = np.where(np.isnan(predicted), own_s, predicted)
+        cheapest = float(predicted[allowed].min()) if allowed.any() else float("inf")
+        return allowed & (predicted <= left_s), cheapest
 
     def answer(self, a: Attempt) -> str:
         if self.task.fact_verification:

@@ -24,9 +24,14 @@ RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
 
 class GeneratorError(D2RError):
-    """The generator could not produce an answer (down, timing out, HTTP errors)."""
+    """The generator could not produce an answer (down, timing out, HTTP errors).
+    `timed_out`: the last attempt ran past the timeout (the server answers 504 for it, else 502)."""
 
     exit_code = 11
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 @dataclass
@@ -60,8 +65,9 @@ class OpenAICompatible:
     def _post(self, payload: dict) -> dict:
         url = self.base_url.rstrip("/") + "/chat/completions"
         data = json.dumps(payload).encode("utf-8")
-        last = "no attempt"
+        last, timed_out = "no attempt", False
         for attempt in range(self.max_retries + 1):
+            timed_out = False
             req = urllib.request.Request(url, data=data, headers=self._headers(), method="POST")
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
@@ -77,7 +83,9 @@ class OpenAICompatible:
                     break
             except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError,
                     http.client.HTTPException) as exc:     # HTTPException: IncompleteRead, BadStatusLine, ...
-                last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+                reason = getattr(exc, "reason", exc)
+                last = f"{type(exc).__name__}: {reason}"
+                timed_out = isinstance(exc, TimeoutError) or isinstance(reason, TimeoutError)
             except json.JSONDecodeError as exc:
                 last = f"invalid JSON body ({exc.msg})"
             except UnicodeDecodeError:
@@ -85,7 +93,7 @@ class OpenAICompatible:
             if attempt < self.max_retries:
                 time.sleep(self.backoff_s * (2 ** attempt) * (1 + random.random() * 0.1))
         raise GeneratorError(f"generator at {self.base_url} failed after {self.max_retries + 1} "
-                             f"attempt(s): {last}")
+                             f"attempt(s): {last}", timed_out=timed_out)
 
     def complete(self, messages: list[dict], max_tokens: int | None = None, stop: list[str] | None = None,
                  json_mode: bool | None = None) -> "ChatResult":

@@ -1,0 +1,61 @@
+"""`d2r-edge serve`: an OpenAI-compatible endpoint over one `Runtime` (the [serve] extra).
+
+Point an application's `base_url` at it instead of at the LLM: every answer comes back
+retrieved, checked and, where the diagnosis says so, repaired, with the diagnosis in a `d2r`
+object beside the standard fields. See `app.py` for routes and status codes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import socket
+
+from d2r_edge.errors import MissingExtraError
+
+log = logging.getLogger(__name__)
+
+SERVE_PIP = "pip install 'd2r-edge[serve]'"
+
+
+def _require_extra() -> None:
+    for name in ("starlette", "uvicorn", "prometheus_client", "anyio"):
+        if importlib.util.find_spec(name) is None:
+            raise MissingExtraError("serve", name, SERVE_PIP)
+
+
+def __getattr__(name: str):
+    # ServeConfig / create_app import starlette: only when asked for, with the pip command if missing
+    if name in ("ServeConfig", "create_app"):
+        _require_extra()
+        from d2r_edge.serve import app
+
+        return getattr(app, name)
+    raise AttributeError(name)
+
+
+def serve(settings, config, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Load the runtime (models, KB, policy: errors surface here, before anything listens), bind,
+    and serve until SIGINT/SIGTERM (then in-flight requests finish and, with learning on, the
+    policy is checkpointed)."""
+    _require_extra()
+    import uvicorn
+
+    from d2r_edge.runtime import Runtime
+    from d2r_edge.serve.app import create_app
+
+    app = create_app(Runtime(settings), config)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))          # OSError (port taken, no such address) -> one CLI line
+    except OSError:
+        sock.close()
+        raise
+    logging.getLogger("uvicorn").setLevel(logging.INFO)
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)   # paths only, but one line per call
+    log.info("d2r-edge serving task %s on http://%s:%d (OpenAI API at /v1)", settings.task.value, host,
+             sock.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=30))
+    server.run(sockets=[sock])
