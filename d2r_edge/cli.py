@@ -245,8 +245,8 @@ def _detector(args: argparse.Namespace) -> Path | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from d2r_edge.app import build_pipeline
     from d2r_edge.runner import load_queries, process, summary, summary_of
+    from d2r_edge.runtime import Runtime
 
     queries = load_queries(Path(args.queries))
     if args.limit:
@@ -261,7 +261,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         rlog = run_queries(settings, queries, Path(args.out), _ray_config(args))
         print(summary(rlog.records))
         return 0
-    process(build_pipeline(settings), queries, Path(args.out), learn=False, keep=False)
+    process(Runtime(settings).pipeline, queries, Path(args.out), learn=False, keep=False)
     print(summary_of(Path(args.out)))
     return 0
 
@@ -503,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=50, help="--learn: checkpoint every N updates")
     p.add_argument("--api-key-env", dest="serve_key_env", default=None, metavar="NAME",
                    help="require 'Authorization: Bearer $NAME' on every route but /healthz")
-    p.add_argument("--max-concurrency", type=int, default=8,
+    p.add_argument("--max-concurrency", type=int, default=16,
                    help="requests admitted at once (answered one at a time, the rest wait); more get 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.set_defaults(func=cmd_serve)

@@ -37,3 +37,15 @@ def tiny_models(tmp_path_factory) -> Path:
                                     profiles_file=ROOT / "models" / "profiles.toml",
                                     data_dir=data))
     return path.parent
+
+
+@pytest.fixture(scope="session")
+def demo_kb(tiny_models, tmp_path_factory) -> Path:
+    """A KB of the bundled demo documents, embedded with the tiny profile."""
+    from d2r_edge.onnx.encoders import Embedder
+    from d2r_edge.onnx.manifest import load_manifest
+    from d2r_edge.retrieval.kb import KnowledgeBase
+
+    kb = tmp_path_factory.mktemp("demo") / "kb"
+    KnowledgeBase.build(ROOT / "d2r_edge" / "data" / "demo" / "docs.jsonl", kb, Embedder(load_manifest(tiny_models)))
+    return kb

@@ -125,3 +125,24 @@ def search_longer(test_file: str, examples: int, *extra_args: str, **env: str) -
                           env={**os.environ, "D2R_FUZZ_EXAMPLES": str(examples), **env},
                           capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+DEMO = Path(__file__).resolve().parent.parent / "d2r_edge" / "data" / "demo"
+
+
+def demo_questions() -> list[str]:
+    import json
+
+    return [json.loads(line)["question"] for line in (DEMO / "questions.jsonl").read_text().splitlines()]
+
+
+def make_runtime(kb: Path, models: Path, task=None, **kw):
+    """A Runtime on `kb` with random-weight `models` whose diagnoser scores with `hash_nli_scores`
+    (varied failures, so repairs occur); the generator keeps the model's NLI."""
+    from d2r_edge.app import RunSettings
+    from d2r_edge.runtime import Runtime
+    from d2r_edge.tasks import Task
+
+    rt = Runtime(RunSettings(kb=kb, models=models, task=task or Task.QA, allow_random_weights=True, **kw))
+    rt.pipeline.diagnoser.nli = HashNLI(rt.pipeline.diagnoser.nli)
+    return rt

@@ -49,7 +49,7 @@ class ServeConfig:
     policy_path: Path | None = None         # where --learn checkpoints the policy
     checkpoint_every_updates: int = 50
     api_key_env: str | None = None          # every route but /healthz needs "Authorization: Bearer $NAME"
-    max_concurrency: int = 8                # requests admitted at once (running or queued); more -> 429
+    max_concurrency: int = 16               # requests admitted at once (running or queued); more -> 429
     max_body_bytes: int = 1 << 20
     model_name: str = api.MODEL_NAME
 
