@@ -20,9 +20,17 @@ from d2r_edge.kg.store import KG_DIR, TripleStore
 from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
 from d2r_edge.onnx.manifest import Role, Variant, load_manifest
 from d2r_edge.onnx.session import SessionConfig, on_cuda
+from d2r_edge.onnx.sharing import MicroBatcher, PairCache
 from d2r_edge.pipeline import Pipeline
-from d2r_edge.policy import Explorer, LinUCB, ThompsonSampling
-from d2r_edge.repair import ARM_NAMES, IS_RETRIEVAL, PipelineConfig, arm_availability
+from d2r_edge.policy import Explorer, LinUCB, ThompsonSampling, updates_of
+from d2r_edge.repair import (
+    ARM_NAMES,
+    ARMS,
+    IS_RETRIEVAL,
+    ArmAvailability,
+    PipelineConfig,
+    arm_availability,
+)
 from d2r_edge.retrieval.docs import read_documents
 from d2r_edge.retrieval.kb import KnowledgeBase, PoolRefresh
 from d2r_edge.retrieval.retriever import Retriever
@@ -58,6 +66,20 @@ class RunSettings:
     create_policy: bool = False            # train: a --policy file that does not exist yet is started fresh
     gate: Gate = Gate.PAPER                # which first answers are repaired (d2r_edge.detector)
     detector_path: Path | None = None      # the calibrated detector (JSON); loaded when given
+    nli_cache_pairs: int = 4096            # NLI scores of recent pairs kept (onnx/sharing.py); 0 = none
+    parallel_requests: int = 1             # Runtime: queries answered at once (1 = one at a time)
+    micro_batch_pairs: int = 0             # > 0: concurrent queries' NLI pairs merged up to this many
+    micro_batch_wait_ms: float = 2.0       # ... or what arrived this long after the first
+
+    def __post_init__(self) -> None:
+        for name in ("nli_cache_pairs", "micro_batch_pairs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be an int >= 0 (0 = off), got {value!r}")
+        if not isinstance(self.parallel_requests, int) or self.parallel_requests < 1:
+            raise ConfigError(f"parallel_requests must be an int >= 1, got {self.parallel_requests!r}")
+        if not (isinstance(self.micro_batch_wait_ms, (int, float)) and 0 <= self.micro_batch_wait_ms <= 1000):
+            raise ConfigError(f"micro_batch_wait_ms must be in [0, 1000], got {self.micro_batch_wait_ms!r}")
 
 
 def costs_path(policy_path: Path) -> Path:
@@ -112,9 +134,7 @@ def check_context(path: Path, saved: dict | None, current: dict) -> None:
 
 
 def policy_updates(policy) -> int:
-    if isinstance(policy, LinUCB):
-        return int(policy.counts.sum())
-    return int(policy.successes.sum() + policy.failures.sum() - 2 * policy.n_arms)
+    return updates_of(policy)
 
 
 def build_pipeline(s: RunSettings) -> Pipeline:
@@ -122,6 +142,11 @@ def build_pipeline(s: RunSettings) -> Pipeline:
     allow, session = s.allow_random_weights, SessionConfig(intra_op_threads=s.intra_op_threads)
     embedder = Embedder(manifest, variant=s.variant, session=session, allow_random_weights=allow)
     nli = NLI(manifest, variant=s.variant, session=session, allow_random_weights=allow)
+    nli.warmup()
+    if s.micro_batch_pairs:
+        nli = MicroBatcher(nli, s.micro_batch_pairs, s.micro_batch_wait_ms)
+    if s.nli_cache_pairs:
+        nli = PairCache(nli, s.nli_cache_pairs)       # the generator and the diagnosis share its scores
     reranker = (CrossEncoder(manifest, variant=s.variant, session=session, allow_random_weights=allow)
                 if manifest.has(Role.RERANKER) else None)
     kb = KnowledgeBase.open(s.kb, embedder)
@@ -147,9 +172,10 @@ def build_pipeline(s: RunSettings) -> Pipeline:
     def refresh() -> int:
         return kb.refresh(embedder, extra=pool.draw() if pool else None)
 
-    for model in (embedder, nli):
-        model.warmup()
+    embedder.warmup()
     arms = arm_availability(manifest.roles, manifest.absent)
+    if s.parallel_requests > 1:
+        arms = without_refresh(arms)
     for name, why in arms.unavailable.items():
         log.info("arm %s is off: %s", name, why)
     return Pipeline(task=s.task, retriever=Retriever(kb, embedder, reranker), generator=generator,
@@ -160,6 +186,19 @@ def build_pipeline(s: RunSettings) -> Pipeline:
                     refresh=refresh, default=PipelineConfig(evidence_titles=s.evidence_titles), arms=arms,
                     gate=s.gate, detector=(Detector.load(s.detector_path, s.task.fact_verification)
                                            if s.detector_path is not None else None))
+
+
+def without_refresh(arms: ArmAvailability) -> ArmAvailability:
+    """Queries answered in parallel: the refresh arms, which grow the KB in place under the other
+    queries' searches, are off."""
+    mask = arms.mask.copy()
+    why = dict(arms.unavailable)
+    for i, arm in enumerate(ARMS):
+        if arm.refresh:
+            mask[i] = False
+            why.setdefault(arm.name, "queries answered in parallel (--parallel > 1): a refresh grows the KB "
+                                     "in place; use --parallel 1 to run it")
+    return ArmAvailability(mask, why)
 
 
 def context_builder(embedder, s: RunSettings):

@@ -21,7 +21,13 @@ import numpy as np
 
 from d2r_edge.config import Budget
 from d2r_edge.errors import PolicyError
-from d2r_edge.policy.state import check_arm, load_npz, save_npz, stored_array, stored_scalar
+from d2r_edge.policy.state import (
+    check_arm,
+    load_npz,
+    save_npz,
+    stored_array,
+    stored_scalar,
+)
 
 log = logging.getLogger(__name__)
 

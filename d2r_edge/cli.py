@@ -226,7 +226,9 @@ def _settings(args: argparse.Namespace):
         exploration=ExplorationConfig(rate=args.explore, seed=args.seed),
         refresh_pool=Path(args.refresh_pool) if args.refresh_pool else None, seed=args.seed,
         qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages, gate=Gate(args.gate),
-        detector_path=_detector(args))
+        detector_path=_detector(args), nli_cache_pairs=args.nli_cache_pairs,
+        parallel_requests=getattr(args, "parallel", 1), micro_batch_pairs=getattr(args, "micro_batch_pairs", 0),
+        micro_batch_wait_ms=getattr(args, "micro_batch_wait_ms", 2.0))
 
 
 def _detector(args: argparse.Namespace) -> Path | None:
@@ -281,7 +283,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from d2r_edge.app import build_pipeline, detector_path, fit_detector_on_queries, train
+    from d2r_edge.app import (
+        build_pipeline,
+        detector_path,
+        fit_detector_on_queries,
+        train,
+    )
     from d2r_edge.runner import load_queries, summary
 
     if not args.policy:
@@ -334,6 +341,9 @@ def _pipeline_args(p: argparse.ArgumentParser, generator_key_flag: str = "--api-
                    help="calibrated detector JSON (default: POLICY.detector.json beside --policy, which "
                         "`train --gate calibrated` fits on the labeled queries); when loaded, records carry "
                         "p_wrong under either gate")
+    p.add_argument("--nli-cache-pairs", type=int, default=4096,
+                   help="NLI scores of this many recent (premise, hypothesis) pairs are kept: the extractive "
+                        "generator and the diagnosis score the same (passage, claim) pairs (0 = off)")
     _model_args(p)
 
 
@@ -506,6 +516,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=16,
                    help="requests admitted at once (answered one at a time, the rest wait); more get 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="requests answered at once (default 1: on a CPU the models already use every core; "
+                        "see docs/results.md); > 1 turns the refresh arms off")
+    p.add_argument("--micro-batch-pairs", type=int, default=0,
+                   help="with --parallel > 1: merge concurrent requests' NLI pairs into calls of up to N "
+                        "pairs (0 = off; pays on a GPU, measured not to on a 2-core CPU)")
+    p.add_argument("--micro-batch-wait-ms", type=float, default=2.0,
+                   help="how long a merged NLI call waits for more pairs after the first")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("train", help="learn the repair policy online (Alg. 2) and save it")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
@@ -15,10 +16,19 @@ from d2r_edge.detector import Detector, Gate, record_signals
 from d2r_edge.diagnose import Diagnoser, Diagnosis, Label
 from d2r_edge.errors import RECOVERABLE, ConfigError
 from d2r_edge.generate.base import Generation
+from d2r_edge.policy import updates_of
 from d2r_edge.policy.explore import Explorer
 from d2r_edge.policy.features import ContextBuilder
 from d2r_edge.policy.reward import reward
-from d2r_edge.repair import ARM_NAMES, ARMS, IS_RETRIEVAL, ArmAvailability, PipelineConfig, PromptStyle, allowed_arms
+from d2r_edge.repair import (
+    ARM_NAMES,
+    ARMS,
+    IS_RETRIEVAL,
+    ArmAvailability,
+    PipelineConfig,
+    PromptStyle,
+    allowed_arms,
+)
 from d2r_edge.retrieval.retriever import Passage, Retriever, evidence_text
 from d2r_edge.signals import Entailment, FailureType, KGStatus
 from d2r_edge.tasks import Task
@@ -75,6 +85,8 @@ class Pipeline:
     arms: ArmAvailability = field(default_factory=ArmAvailability)   # what the loaded models can run
     gate: Gate = Gate.PAPER
     detector: Detector | None = None            # P(wrong): recorded when loaded, gates with Gate.CALIBRATED
+    # the policy (select/update) and a refresh, when queries run in parallel threads
+    state_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def assess(self, first: Attempt) -> tuple[bool, float | None, dict | None]:
         """(repair this first answer?, P(wrong), the signals behind it). `paper`: Alg. 1 named a
@@ -133,7 +145,8 @@ class Pipeline:
         t = {}
         t0 = time.perf_counter()
         if cfg.refresh and self.refresh is not None:
-            t["refresh_docs"] = float(self.refresh())
+            with self.state_lock:
+                t["refresh_docs"] = float(self.refresh())
         t["refresh_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         passages = self.retriever.retrieve(query, cfg.retrieval, query_vec)
@@ -228,13 +241,14 @@ class Pipeline:
         x = self.context.build(q_vec, d.failure, d.kg, d.e_q, d.e_r, remaining_s, remaining_mib, self.budget,
                                p_wrong=p_wrong)
         masked = self.costs.mask(self.budget, allowed)
-        if self.explorer is not None and learn:
-            decision = self.explorer.decide(self.policy, x, masked.allowed)
-            arm, propensity, explored = decision.arm, decision.propensity, decision.explored
-        else:
-            # keyed by the query when frozen: the choice does not depend on query order or worker
-            key = None if learn else query
-            arm, propensity, explored = self.policy.select(x, masked.allowed, key=key), None, False
+        with self.state_lock:
+            if self.explorer is not None and learn:
+                decision = self.explorer.decide(self.policy, x, masked.allowed)
+                arm, propensity, explored = decision.arm, decision.propensity, decision.explored
+            else:
+                # keyed by the query when frozen: the choice does not depend on query order or worker
+                key = None if learn else query
+                arm, propensity, explored = self.policy.select(x, masked.allowed, key=key), None, False
         policy_s = time.perf_counter() - t0
         second, cost = self.metered_attempt(query, ARMS[arm].apply(self.default), q_vec)
         d2 = second.diagnosis
@@ -245,8 +259,13 @@ class Pipeline:
                    budget=self.budget, cfg=self.reward_cfg)
         self.costs.observe(arm, cost.latency_s, cost.mem_growth_mib)
         t1 = time.perf_counter()
+        updates_after = None
         if learn:
-            self.policy.update(arm, x, r)
+            with self.state_lock:
+                self.policy.update(arm, x, r)
+                # the policy's update count with this one: a restart replays the logged updates
+                # its last checkpoint lacks (Runtime.replay)
+                updates_after = updates_of(self.policy)
         policy_s += time.perf_counter() - t1
         return {
             "allowed": [ARM_NAMES[i] for i in np.flatnonzero(allowed)],
@@ -257,4 +276,5 @@ class Pipeline:
             "over_budget": cost.latency_s > self.budget.latency_s or cost.mem_growth_mib > self.budget.device_mem_mib,
             "reward": r, "x": x.tolist() if learn else None, "policy_s": policy_s,
             "is_retrieval_arm": bool(IS_RETRIEVAL[arm]), "unavailable": dict(self.arms.unavailable),
+            "policy_updates": updates_after,
         }, second

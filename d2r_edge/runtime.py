@@ -8,9 +8,10 @@
     diag = rt.verify("Who designed the Millbrook footbridge?", "Ada Marsh")   # an app's own answer
 
 The same settings as `d2r-edge run` (`RunSettings`), the same record (`Result.record`); `run` and
-`serve` are layers over it. Calls are serialized by a lock: the models' sessions already use every
-core, a learning policy and the cost model change with each repair, and the refresh arm grows
-the in-memory KB; concurrent callers queue.
+`serve` are layers over it. Thread-safe: by default one query is answered at a time (the models'
+sessions already use every core) and concurrent callers queue; `RunSettings.parallel_requests` > 1
+answers that many at once (the policy and a refresh are then behind a lock, the refresh arms are
+off), and with `micro_batch_pairs` their NLI pairs are merged into shared model calls.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class Runtime:
         self.settings = settings
         self.pipeline = pipeline if pipeline is not None else build_pipeline(settings)
         self.task: Task = self.pipeline.task
-        self._lock = threading.Lock()
+        # queries answered at once; the policy's own state is behind pipeline.state_lock
+        self._slots = threading.BoundedSemaphore(getattr(settings, "parallel_requests", 1) or 1)
         self.updates_since_start = 0
 
     def _task(self, task) -> Task:
@@ -154,13 +156,11 @@ class Runtime:
         if deadline_s is not None and not (isinstance(deadline_s, (int, float)) and deadline_s > 0):
             raise InputError(f"deadline_s must be a number > 0, got {deadline_s!r}")
         rid = request_id or uuid.uuid4().hex
-        with self._lock:
+        with self._slots:
             rec, first, final = self.pipeline.run_attempts(query, learn, deadline_s)
-            if learn and rec.get("repair"):
+        if learn and rec.get("repair"):
+            with self.pipeline.state_lock:
                 self.updates_since_start += 1
-                # the policy's update count after this one: a restart replays the logged updates
-                # its last checkpoint lacks (`replay`)
-                rec["repair"]["policy_updates"] = policy_updates(self.pipeline.policy)
         record = {"id": rid, "request_id": rid, "epoch": None, "query": query, "gold_label": None,
                   "gold_answer": None, "task": task.value, **rec, "first_correct": None,
                   "final_correct": None, "error": None}
@@ -174,16 +174,16 @@ class Runtime:
 
     def save_policy(self, path: Path) -> None:
         """The policy and its cost model, saved atomically (between two answers)."""
-        with self._lock:
+        with self.pipeline.state_lock:
             save_policy(self.pipeline, Path(path))
 
     def replay(self, repairs: list[dict]) -> int:
         """Apply logged online updates (`repair` objects of records answered with learn=True) that
         the loaded policy does not have yet, in order; returns how many."""
         done = 0
-        with self._lock:
+        with self.pipeline.state_lock:
             for rep in repairs:
-                if rep.get("x") is None or int(rep.get("policy_updates", 0)) <= policy_updates(self.pipeline.policy):
+                if rep.get("x") is None or int(rep.get("policy_updates") or 0) <= policy_updates(self.pipeline.policy):
                     continue
                 self.pipeline.policy.update(int(rep["arm_index"]), np.asarray(rep["x"], dtype=float),
                                             float(rep["reward"]))
@@ -209,7 +209,7 @@ class Runtime:
         if fv and parsed is None and Label.parse(answer) is not None:
             parsed, answer = Label.parse(answer), ""
         pipe = self.pipeline
-        with self._lock:
+        with self._slots:
             if passages is None:
                 found = pipe.retriever.retrieve(query, pipe.default.retrieval)
                 texts = [evidence_text(p, pipe.default.evidence_titles) for p in found]

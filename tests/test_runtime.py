@@ -122,3 +122,27 @@ def test_online_updates_are_checkpointed_and_replayed(demo_kb, tiny_models, tmp_
     again = make_runtime(demo_kb, tiny_models, policy_path=tmp_path / "early.npz")
     assert again.replay(logged) == len(logged) - 1
     assert np.allclose(again.pipeline.policy.A_inv, after) and again.replay(logged) == 0
+
+
+def test_parallel_queries_with_merged_nli_calls_answer_as_one_at_a_time(demo_kb, tiny_models):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from d2r_edge.app import RunSettings
+    from d2r_edge.onnx.sharing import MicroBatcher, PairCache
+
+    def settings(**kw):
+        return RunSettings(kb=demo_kb, models=tiny_models, task=Task.QA, allow_random_weights=True, **kw)
+
+    serial = Runtime(settings())
+    parallel = Runtime(settings(parallel_requests=4, micro_batch_pairs=32, micro_batch_wait_ms=5.0))
+    nli = parallel.pipeline.diagnoser.nli
+    assert isinstance(nli, PairCache) and isinstance(nli.inner, MicroBatcher)
+    questions = demo_questions() * 2
+    want = [(r.answer, r.failure, r.arm) for r in map(serial.answer, questions)]
+    with ThreadPoolExecutor(4) as pool:
+        got = [(r.answer, r.failure, r.arm) for r in pool.map(parallel.answer, questions)]
+    assert got == want
+    assert nli.inner.calls > 0 and nli.inner.pairs >= nli.inner.calls
+    refresh = [name for name in parallel.pipeline.arms.unavailable if name.endswith("_refresh")]
+    assert len(refresh) == 4 and not any(name.endswith("_refresh") for name in serial.pipeline.arms.unavailable)
+    nli.inner.close()

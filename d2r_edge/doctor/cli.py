@@ -57,7 +57,11 @@ def cmd_doctor_diagnose(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor_eval(args: argparse.Namespace) -> int:
-    from d2r_edge.doctor.evaluate import DoctorEvalSettings, parse_doctor_methods, run_doctor_eval
+    from d2r_edge.doctor.evaluate import (
+        DoctorEvalSettings,
+        parse_doctor_methods,
+        run_doctor_eval,
+    )
     from d2r_edge.doctor.kb import build_doctor_kb, kb_search
     from d2r_edge.doctor.parse import TrajectoryFormat
 

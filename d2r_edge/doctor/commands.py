@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from d2r_edge import runner
-from d2r_edge.doctor.diagnose import DoctorSettings, TrajectoryDiagnoser, answer_in, is_success
+from d2r_edge.doctor.diagnose import (
+    DoctorSettings,
+    TrajectoryDiagnoser,
+    answer_in,
+    is_success,
+)
 from d2r_edge.doctor.parse import TrajectoryFormat, parse_file
 from d2r_edge.doctor.trajectory import StepKind, Trajectory
 from d2r_edge.eval.metrics import normalize_answer

@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from d2r_edge.doctor.commands import rule_checks
-from d2r_edge.doctor.diagnose import DoctorDiagnosis, ErrorType, TrajectoryDiagnoser, answer_correct, is_success
+from d2r_edge.doctor.diagnose import (
+    DoctorDiagnosis,
+    ErrorType,
+    TrajectoryDiagnoser,
+    answer_correct,
+    is_success,
+)
 from d2r_edge.doctor.parse import TrajectoryFormat, parse_file
 from d2r_edge.doctor.repair import Method, Repairer, RepairSettings
 from d2r_edge.doctor.trajectory import StepKind, Trajectory

@@ -27,7 +27,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Protocol
 
-from d2r_edge.doctor.diagnose import DoctorDiagnosis, ErrorType, TrajectoryDiagnoser, fever_spelling
+from d2r_edge.doctor.diagnose import (
+    DoctorDiagnosis,
+    ErrorType,
+    TrajectoryDiagnoser,
+    fever_spelling,
+)
 from d2r_edge.doctor.trajectory import StepKind, Trajectory
 from d2r_edge.eval.metrics import normalize_answer, token_f1
 from d2r_edge.generate.base import json_object

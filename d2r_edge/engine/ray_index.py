@@ -18,7 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from d2r_edge.engine import RayConfig
-from d2r_edge.engine.ray_pool import assigned_threads, check_every_node, connect, unreadable
+from d2r_edge.engine.ray_pool import (
+    assigned_threads,
+    check_every_node,
+    connect,
+    unreadable,
+)
 from d2r_edge.errors import D2RError, EngineError, InputError
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,15 @@ import numpy as np
 
 from d2r_edge.detector import Gate
 from d2r_edge.errors import InputError
-from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, Context, EvalSettings, Method, PolicySpec, parse_methods
+from d2r_edge.eval.context import (
+    FIXED_ARMS,
+    POLICY_METHODS,
+    Context,
+    EvalSettings,
+    Method,
+    PolicySpec,
+    parse_methods,
+)
 from d2r_edge.eval.detection import DETECTOR_FILE, fit_detector
 from d2r_edge.eval.methods import best_fixed_arm, run_method
 from d2r_edge.eval.outcomes import AttemptStore, CachedGenerator

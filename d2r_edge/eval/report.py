@@ -10,7 +10,13 @@ from pathlib import Path
 import numpy as np
 
 from d2r_edge.eval.context import POLICY_METHODS, Context, Method
-from d2r_edge.eval.metrics import fever_label, flips, macro_f1, paired_bootstrap, percentiles
+from d2r_edge.eval.metrics import (
+    fever_label,
+    flips,
+    macro_f1,
+    paired_bootstrap,
+    percentiles,
+)
 from d2r_edge.repair import ARM_NAMES, ARMS
 from d2r_edge.signals import FailureType
 

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from d2r_edge.eval.datasets import GoldQuery, fever_evidence, musique_paragraphs, paragraphs, write_docs
+from d2r_edge.eval.datasets import (
+    GoldQuery,
+    fever_evidence,
+    musique_paragraphs,
+    paragraphs,
+    write_docs,
+)
 from d2r_edge.retrieval.kb import KnowledgeBase
 from d2r_edge.retrieval.retriever import Retriever
 

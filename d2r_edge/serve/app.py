@@ -30,6 +30,7 @@ from starlette.routing import Route
 from d2r_edge.errors import ConfigError, D2RError, InputError
 from d2r_edge.generate.openai_compat import GeneratorError
 from d2r_edge.jsonl import loads as json_loads
+from d2r_edge.onnx.sharing import MicroBatcher
 from d2r_edge.runner import RecordLog, run_record_ok
 from d2r_edge.runtime import Result, Runtime
 from d2r_edge.serve import openai_api as api
@@ -91,6 +92,9 @@ class Server:
         self._records_lock = threading.Lock()
         self._pending_updates = 0
         self.records = None
+        batcher = _find(runtime.pipeline.diagnoser.nli, MicroBatcher)
+        if batcher is not None:
+            batcher.on_batch = self.metrics.batch_pairs.observe
         if config.records_path is not None:
             self.records = RecordLog(config.records_path, valid=run_record_ok, keep=False, slim=_logged_update)
             if config.learn:
@@ -140,6 +144,17 @@ class Server:
     def release(self) -> None:
         self.in_flight -= 1
         self.metrics.in_flight.set(self.in_flight)
+
+
+def _find(model, kind):
+    """The `kind` wrapper in a chain of NLI wrappers (PairCache -> MicroBatcher -> NLI), or None."""
+    for _ in range(8):
+        if isinstance(model, kind):
+            return model
+        model = model.__dict__.get("inner")
+        if model is None:
+            return None
+    return None
 
 
 def _logged_update(rec: dict):

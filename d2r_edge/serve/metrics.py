@@ -27,6 +27,8 @@ class Metrics:
                                    registry=r)
         self.in_flight = Gauge("d2r_requests_in_flight", "Requests admitted and not finished", registry=r)
         self.policy_updates = Counter("d2r_policy_updates", "Online policy updates (--learn)", registry=r)
+        self.batch_pairs = Histogram("d2r_nli_batch_pairs", "NLI pairs per merged model call (--micro-batch-pairs)",
+                                     buckets=(1, 2, 5, 10, 15, 20, 30, 40, 60, 80, 120, 160, 256), registry=r)
 
     def observe(self, res: Result) -> None:
         for stage in STAGES:
