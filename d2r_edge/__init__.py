@@ -3,6 +3,7 @@
 The runtime never imports torch or transformers; see `export/` for the export step.
 """
 
+from d2r_edge.app import RunSettings
 from d2r_edge.budget import CostModel, Meter
 from d2r_edge.config import Budget, ContextConfig, RewardConfig
 from d2r_edge.diagnose import Diagnoser, Diagnosis, Label
@@ -16,6 +17,7 @@ from d2r_edge.policy import LinUCB, ThompsonSampling, reward
 from d2r_edge.repair import ARMS, Arm, PipelineConfig
 from d2r_edge.retrieval.kb import KnowledgeBase
 from d2r_edge.retrieval.retriever import RetrievalConfig, Retriever
+from d2r_edge.runtime import Result, Runtime, Verification
 from d2r_edge.signals import Entailment, FailureType, KGStatus
 from d2r_edge.tasks import Task
 
@@ -24,7 +26,7 @@ __all__ = [
     "Diagnosis", "Embedder", "Entailment", "FailureType", "HypothesisForm", "KGStatus", "KnowledgeBase",
     "LinUCB", "Label",
     "Manifest", "Meter", "NLI", "Pipeline", "PipelineConfig", "RetrievalConfig", "Retriever",
-    "RewardConfig", "Role", "Task", "ThompsonSampling", "Triple", "Triples", "Variant", "load_manifest",
-    "reward",
+    "Result", "RewardConfig", "Role", "RunSettings", "Runtime", "Task", "ThompsonSampling", "Triple", "Triples",
+    "Variant", "Verification", "load_manifest", "reward",
 ]
 __version__ = "0.1.0"

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from d2r_edge.signals import FailureType
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
@@ -56,8 +58,9 @@ def test_readme_own_data_commands_and_python_run_as_written(tiny_models, shared_
         "RunSettings(", "RunSettings(allow_random_weights=True, ", 1)
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    answer = done.stdout.split()[0]
-    assert answer in ("SUPPORTS", "REFUTES", "NOT ENOUGH INFO", "UNVERIFIED"), done.stdout
+    first, check = done.stdout.splitlines()[:2]
+    assert first.startswith(("SUPPORTS", "REFUTES", "NOT ENOUGH INFO", "UNVERIFIED")), done.stdout
+    assert check.split()[0] in {f.value for f in FailureType}, done.stdout
 
 
 def test_readme_links_resolve_and_stays_short():

@@ -1,0 +1,170 @@
+"""`d2r-edge serve` under load on loopback: requests/s, p50/p95 latency and the per-stage split at
+concurrency 1, 4 and 16, for four server settings, on the demo KB with the extractive generator.
+
+Settings: `serial` (the default: one request answered at a time, NLI pair cache on), `nocache`
+(the same without the pair cache), `parallel` (4 requests at once, no merging) and `batched`
+(4 at once, their NLI pairs merged into shared calls). Models: models/offline when built, else
+models/offline-quick, else the tiny random-weight profile. Each server is a separate process
+(`d2r-edge serve`), the clients are threads here. Bounded: REQUESTS per load, one load per
+(setting, concurrency). Asserts ratios of this run only; writes .benchmarks/serve.json and .md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.conftest import EXTRA
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "d2r_edge" / "data" / "demo"
+REQUESTS = int(os.environ.get("D2R_SERVE_REQUESTS", "48"))
+CONCURRENCY = (1, 4, 16)
+SETTINGS = {
+    "serial": [],
+    "nocache": ["--nli-cache-pairs", "0"],
+    "parallel": ["--parallel", "4"],
+    "batched": ["--parallel", "4", "--micro-batch-pairs", "64", "--micro-batch-wait-ms", "2"],
+}
+OUT = Path(os.environ.get("D2R_BENCH_DIR", ".benchmarks"))
+TABLE: dict[tuple[str, int], dict] = {}
+
+
+def _models() -> tuple[Path, list[str], str]:
+    for name in ("offline", "offline-quick"):
+        if (ROOT / "models" / name / "manifest.json").is_file():
+            return ROOT / "models" / name, [], name
+    from benchmarks.bench_onnx import _export
+
+    return _export("tiny"), ["--allow-random-weights"], "tiny (random weights)"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    models, extra, name = _models()
+    kb = tmp_path_factory.mktemp("serve") / "kb"
+    subprocess.run([sys.executable, "-m", "d2r_edge.cli", "index", "build", "--kb", str(kb), "--docs",
+                    str(DEMO / "docs.jsonl"), "--models", str(models), *extra], check=True, cwd=ROOT,
+                   capture_output=True, timeout=600)
+    claims = [json.loads(line)["claim"] for line in (DEMO / "claims.jsonl").read_text().splitlines() if line.strip()]
+    return models, extra, name, kb, claims
+
+
+class ServerProcess:
+    def __init__(self, world, setting: str) -> None:
+        models, extra, _, kb, _ = world
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "d2r_edge.cli", "serve", "--kb", str(kb), "--models", str(models),
+                    "--task", "fever", "--port", str(self.port), "--max-concurrency", "64", *extra,
+                    *SETTINGS[setting]]
+
+    def __enter__(self) -> "ServerProcess":
+        import tempfile
+
+        self.log = tempfile.TemporaryFile()           # a pipe nobody reads would fill and stall the server
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(self.log.read().decode()[-2000:])
+            try:
+                with urllib.request.urlopen(self.url + "/healthz", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("server did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def _post(url: str, claim: str) -> tuple[float, dict]:
+    body = json.dumps({"model": "d2r-edge", "messages": [{"role": "user", "content": claim}]}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        out = json.loads(resp.read())
+    return time.perf_counter() - t0, out["d2r"]
+
+
+def _load(url: str, claims: list[str], concurrency: int) -> dict:
+    asked = [claims[i % len(claims)] for i in range(REQUESTS)]
+    for claim in claims[:2]:
+        _post(url, claim)                                       # warm (first-call allocations)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        done = list(pool.map(lambda c: _post(url, c), asked))
+    wall = time.perf_counter() - t0
+    client = np.array([d[0] for d in done]) * 1000
+    stages = {k: float(np.median([d[1]["latency_ms"][k] for d in done]))
+              for k in ("embed", "retrieve", "generate", "diagnose", "repair", "overhead", "total")}
+    return {"requests": REQUESTS, "concurrency": concurrency, "req_per_s": REQUESTS / wall,
+            "p50_ms": float(np.percentile(client, 50)), "p95_ms": float(np.percentile(client, 95)),
+            "server_p50_ms": stages, "repaired": sum(d[1]["repaired"] for d in done)}
+
+
+@pytest.mark.benchmark(group="serve")
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_serve_load(benchmark, world, setting):
+    _, _, _, _, claims = world
+    with ServerProcess(world, setting) as srv:
+        def all_loads():
+            for c in CONCURRENCY:
+                TABLE[(setting, c)] = _load(srv.url, claims, c)
+        benchmark.pedantic(all_loads, rounds=1, iterations=1)
+    for c in CONCURRENCY:
+        row = TABLE[(setting, c)]
+        EXTRA[f"serve-{setting}-c{c}-req_per_s"] = row["req_per_s"]
+        EXTRA[f"serve-{setting}-c{c}-p50_ms"] = row["p50_ms"]
+
+
+def test_serve_targets(world):
+    """Ratios of this run: the pair cache cuts d2r-edge's own time, queueing keeps throughput, the HTTP
+    layer adds little; the table goes to .benchmarks/serve.{json,md}."""
+    if len(TABLE) < len(SETTINGS) * len(CONCURRENCY):
+        pytest.skip("needs every load of this run")
+    _write_report(world[2])
+    serial, nocache = TABLE[("serial", 1)], TABLE[("nocache", 1)]
+    cut = serial["server_p50_ms"]["overhead"] / nocache["server_p50_ms"]["overhead"]
+    assert cut <= 0.9, f"the pair cache left the overhead at {cut:.2f}x"
+    for setting in SETTINGS:
+        keep = TABLE[(setting, 16)]["req_per_s"] / TABLE[(setting, 1)]["req_per_s"]
+        assert keep >= 0.8, f"{setting}: 16 clients get {keep:.2f}x the throughput of one"
+    http = serial["p50_ms"] / serial["server_p50_ms"]["total"]
+    assert http <= 1.5, f"client p50 is {http:.2f}x the server's own p50"
+
+
+def _write_report(models: str) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    rows = [{"setting": s, **TABLE[(s, c)]} for s in SETTINGS for c in CONCURRENCY]
+    (OUT / "serve.json").write_text(json.dumps({"models": models, "rows": rows}, indent=1))
+    lines = [f"models: {models}; {REQUESTS} FEVER demo claims per load, extractive generator, loopback",
+             "", "| setting | clients | req/s | p50 ms | p95 ms | server p50: embed / retrieve / generate / "
+             "diagnose / repair / overhead / total ms |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        st = r["server_p50_ms"]
+        split = " / ".join(f"{st[k]:.1f}" for k in ("embed", "retrieve", "generate", "diagnose", "repair",
+                                                     "overhead", "total"))
+        lines.append(f"| {r['setting']} | {r['concurrency']} | {r['req_per_s']:.1f} | {r['p50_ms']:.0f} | "
+                     f"{r['p95_ms']:.0f} | {split} |")
+    (OUT / "serve.md").write_text("\n".join(lines) + "\n")
