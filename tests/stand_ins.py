@@ -146,3 +146,39 @@ def make_runtime(kb: Path, models: Path, task=None, **kw):
     rt = Runtime(RunSettings(kb=kb, models=models, task=task or Task.QA, allow_random_weights=True, **kw))
     rt.pipeline.diagnoser.nli = HashNLI(rt.pipeline.diagnoser.nli)
     return rt
+
+
+class Live:
+    """An app served by uvicorn in a thread on a free loopback port."""
+
+    def __init__(self, app) -> None:
+        import socket
+
+        import uvicorn
+
+        self.app = app
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on"))
+
+    def __enter__(self) -> "Live":
+        import threading
+        import time
+
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)

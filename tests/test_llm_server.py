@@ -146,3 +146,30 @@ def test_doctor_eval_through_a_real_server(server, tiny_models, shared_data, tmp
     before = {m: (out / f"{m}.jsonl").read_bytes() for m in s["methods"]}
     assert main(argv) == 0
     assert {m: (out / f"{m}.jsonl").read_bytes() for m in s["methods"]} == before
+
+
+def test_serve_over_a_real_server_with_the_openai_client(server, tiny_models, demo_kb):
+    """d2r-edge serve in front of llama.cpp: the official client gets SmolLM2's answer, checked."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("starlette")
+    from stand_ins import Live, demo_questions
+
+    from d2r_edge.app import RunSettings
+    from d2r_edge.runtime import Runtime
+    from d2r_edge.serve.app import create_app
+    from d2r_edge.tasks import Task
+
+    rt = Runtime(RunSettings(kb=demo_kb, models=tiny_models, task=Task.QA, allow_random_weights=True,
+                             generator="openai", base_url=server, model="smollm2", timeout_s=120))
+    with Live(create_app(rt)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        q = demo_questions()[0]
+        out = client.chat.completions.create(model="d2r-edge", messages=[{"role": "user", "content": q}])
+        d2r = out.model_extra["d2r"]
+        if not d2r["repaired"]:
+            assert out.choices[0].message.content == d2r["first_answer"]
+        assert d2r["latency_ms"]["generate"] > 0 and d2r["latency_ms"]["overhead"] >= 0
+        assert d2r["latency_ms"]["total"] >= d2r["latency_ms"]["generate"]
+        chunks = list(client.chat.completions.create(model="d2r-edge", messages=[{"role": "user", "content": q}],
+                                                     stream=True))
+        assert chunks[-1].choices[0].finish_reason == "stop" and "d2r" in chunks[-1].model_extra

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from stand_ins import ScriptedServer, demo_questions, make_runtime
+from stand_ins import Live, ScriptedServer, demo_questions, make_runtime
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -28,35 +28,6 @@ from d2r_edge.serve.app import ServeConfig, create_app  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 D2R_KEYS = {"request_id", "task", "failure_type", "final_failure_type", "repaired", "arm", "first_answer",
             "passages", "entailment", "p_wrong", "latency_ms", "budget"}
-
-
-class Live:
-    """An app served by uvicorn in a thread on a free loopback port."""
-
-    def __init__(self, app) -> None:
-        import uvicorn
-
-        self.app = app
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on"))
-
-    def __enter__(self) -> "Live":
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-    def client(self, **kw):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
 
 
 def call(url: str, path: str, body=None, headers: dict | None = None, method: str | None = None):
@@ -288,10 +259,16 @@ def _serve_cmd(demo_kb, tiny_models, port: int, tmp: Path) -> list[str]:
             "--learn", "--policy", str(tmp / "policy.npz"), "--checkpoint-every", "2", "--max-concurrency", "32"]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
+def _start(cmd: list[str], log: Path) -> subprocess.Popen:
+    """The server's log goes to a file: a pipe nobody reads under load would fill and stall it."""
+    with open(log, "ab") as fh:
+        return subprocess.Popen(cmd, stderr=fh, stdout=subprocess.DEVNULL)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
         try:
             if call(url, "/healthz")[0] == 200:
                 return
@@ -306,8 +283,8 @@ def test_kill_9_under_load_then_restart_loses_and_duplicates_nothing(demo_kb, ti
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(_serve_cmd(demo_kb, tiny_models, port, tmp_path), stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL)
+    log = tmp_path / "server.log"
+    proc = _start(_serve_cmd(demo_kb, tiny_models, port, tmp_path), log)
     completed, stop = [], threading.Event()
 
     def client(i: int) -> None:
@@ -323,7 +300,7 @@ def test_kill_9_under_load_then_restart_loses_and_duplicates_nothing(demo_kb, ti
             n += 1
 
     try:
-        _wait_healthy(url, proc)
+        _wait_healthy(url, proc, log)
         threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
@@ -338,17 +315,16 @@ def test_kill_9_under_load_then_restart_loses_and_duplicates_nothing(demo_kb, ti
         if proc.poll() is None:
             proc.kill()
     # restart on the same records and policy: it opens them (a torn last line is cut) and serves
-    proc = subprocess.Popen(_serve_cmd(demo_kb, tiny_models, port, tmp_path), stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL)
+    proc = _start(_serve_cmd(demo_kb, tiny_models, port, tmp_path), log)
     try:
-        _wait_healthy(url, proc)
+        _wait_healthy(url, proc, log)
         status, _, body = call(url, "/v1/chat/completions", ask(demo_questions()[0]))
         assert status == 200
         completed.append(body["d2r"]["request_id"])
         proc.send_signal(signal.SIGTERM)                      # graceful: checkpoints the policy
         # uvicorn re-raises the signal once it has shut down (exit status 143 in a shell)
         assert proc.wait(60) in (0, -signal.SIGTERM)
-        assert "policy checkpointed" in proc.stderr.read().decode()
+        assert "policy checkpointed" in log.read_text(errors="replace")
     finally:
         if proc.poll() is None:
             proc.kill()
