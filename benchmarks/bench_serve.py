@@ -1,5 +1,9 @@
 """`d2r-edge serve` under load on loopback: requests/s, p50/p95 latency and the per-stage split at
-concurrency 1, 4 and 16, for four server settings, on the demo KB with the extractive generator.
+concurrency 1, 4 and 16, for four server settings, FEVER claims, the extractive generator, k = 5.
+
+Queries are distinct claims (FEVER dev, the KB their evidence documents, where ../shared/data is
+here; else the demo claims, each asked once per load): the NLI pair cache must not answer a
+repeated claim from memory and flatter the figures.
 
 Settings: `serial` (the default: one request answered at a time, NLI pair cache on), `nocache`
 (the same without the pair cache), `parallel` (4 requests at once, no merging) and `batched`
@@ -28,6 +32,7 @@ from benchmarks.conftest import EXTRA
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "d2r_edge" / "data" / "demo"
+DATA = ROOT.parent / "shared" / "data"
 REQUESTS = int(os.environ.get("D2R_SERVE_REQUESTS", "48"))
 CONCURRENCY = (1, 4, 16)
 SETTINGS = {
@@ -52,11 +57,24 @@ def _models() -> tuple[Path, list[str], str]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     models, extra, name = _models()
-    kb = tmp_path_factory.mktemp("serve") / "kb"
+    tmp = tmp_path_factory.mktemp("serve")
+    kb = tmp / "kb"
+    if (DATA / "fever" / "dev.jsonl").is_file():
+        from d2r_edge.eval.datasets import fever_evidence, write_docs
+
+        n = len(CONCURRENCY) * (REQUESTS + 2)
+        docs, queries = fever_evidence(DATA / "fever" / "dev.jsonl", limit=max(300, n))
+        docs_path = write_docs(docs, tmp / "docs.jsonl")
+        claims = [q.text for q in queries][:n]
+        name += f"; KB: the evidence of {len(queries)} FEVER dev claims ({len(docs)} documents)"
+    else:
+        docs_path = DEMO / "docs.jsonl"
+        claims = [json.loads(line)["claim"] for line in (DEMO / "claims.jsonl").read_text().splitlines()
+                  if line.strip()]
+        name += "; KB: the demo documents"
     subprocess.run([sys.executable, "-m", "d2r_edge.cli", "index", "build", "--kb", str(kb), "--docs",
-                    str(DEMO / "docs.jsonl"), "--models", str(models), *extra], check=True, cwd=ROOT,
+                    str(docs_path), "--models", str(models), *extra], check=True, cwd=ROOT,
                    capture_output=True, timeout=600)
-    claims = [json.loads(line)["claim"] for line in (DEMO / "claims.jsonl").read_text().splitlines() if line.strip()]
     return models, extra, name, kb, claims
 
 
@@ -107,10 +125,12 @@ def _post(url: str, claim: str) -> tuple[float, dict]:
     return time.perf_counter() - t0, out["d2r"]
 
 
-def _load(url: str, claims: list[str], concurrency: int) -> dict:
-    asked = [claims[i % len(claims)] for i in range(REQUESTS)]
-    for claim in claims[:2]:
+def _load(url: str, claims: list[str], concurrency: int, offset: int) -> dict:
+    """REQUESTS claims from `offset` on (each load its own claims: none repeats within a server)."""
+    own = claims[offset:offset + REQUESTS + 2] if len(claims) >= offset + REQUESTS + 2 else claims
+    for claim in own[:2]:
         _post(url, claim)                                       # warm (first-call allocations)
+    asked = [own[2 + i % (len(own) - 2)] for i in range(REQUESTS)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         done = list(pool.map(lambda c: _post(url, c), asked))
@@ -129,8 +149,8 @@ def test_serve_load(benchmark, world, setting):
     _, _, _, _, claims = world
     with ServerProcess(world, setting) as srv:
         def all_loads():
-            for c in CONCURRENCY:
-                TABLE[(setting, c)] = _load(srv.url, claims, c)
+            for i, c in enumerate(CONCURRENCY):
+                TABLE[(setting, c)] = _load(srv.url, claims, c, i * (REQUESTS + 2))
         benchmark.pedantic(all_loads, rounds=1, iterations=1)
     for c in CONCURRENCY:
         row = TABLE[(setting, c)]
@@ -158,7 +178,7 @@ def _write_report(models: str) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     rows = [{"setting": s, **TABLE[(s, c)]} for s in SETTINGS for c in CONCURRENCY]
     (OUT / "serve.json").write_text(json.dumps({"models": models, "rows": rows}, indent=1))
-    lines = [f"models: {models}; {REQUESTS} FEVER demo claims per load, extractive generator, loopback",
+    lines = [f"models: {models}; {REQUESTS} FEVER claims per load, extractive generator, k = 5, loopback",
              "", "| setting | clients | req/s | p50 ms | p95 ms | server p50: embed / retrieve / generate / "
              "diagnose / repair / overhead / total ms |", "|---|---|---|---|---|---|"]
     for r in rows:

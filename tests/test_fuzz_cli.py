@@ -9,8 +9,9 @@ the error's class; never a traceback, never the internal-error exit.
 
 Bounded: the number of examples (D2R_FUZZ_EXAMPLES / 6 by default, more with
 `-m slow`). Left out: `export` (minutes per valid call; its errors are tested in
-test_export.py), `eval retrieval` (builds KBs over ../shared/data) and
-`--engine ray` (starts a Ray cluster; tested in test_ray_engine.py).
+test_export.py), `eval retrieval` (builds KBs over ../shared/data), `serve` (a valid call serves
+until signalled; its bad flags and inputs are tested in test_serve.py) and `--engine ray` (starts a
+Ray cluster; tested in test_ray_engine.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ EXAMPLES = int(os.environ.get("D2R_FUZZ_EXAMPLES", "60"))
 FUZZ = settings(max_examples=max(6, EXAMPLES // 4), deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 DEMO = Path(__file__).resolve().parent.parent / "d2r_edge" / "data" / "demo"
-SKIPPED = {("export",), ("eval", "retrieval")}
+SKIPPED = {("export",), ("eval", "retrieval"), ("serve",)}   # serve: runs until signalled (tests/test_serve.py)
 FIXED = {"--engine": "local"}
 
 _codes = {cls.exit_code for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, errors.D2RError)}
