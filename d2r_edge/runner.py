@@ -89,8 +89,10 @@ def _scan(lines, valid: Validator | None, slim=None, drop=None) -> tuple[list, l
             bad.append(n)
         elif drop is not None and drop(row):
             dropped += 1
-        else:
-            records.append(row if slim is None else slim(row))
+        elif slim is None:
+            records.append(row)
+        elif (kept := slim(row)) is not None:      # slim: what a reader keeps of a record (None: nothing)
+            records.append(kept)
     return records, bad, bad == [last] and not ends, dropped
 
 

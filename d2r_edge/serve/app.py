@@ -98,7 +98,7 @@ class Server:
         if config.records_path is not None:
             self.records = RecordLog(config.records_path, valid=run_record_ok, keep=False, slim=_logged_update)
             if config.learn:
-                replayed = runtime.replay([r for r in self.records.records if r is not None])
+                replayed = runtime.replay(self.records.records)
                 if replayed:
                     log.info("replayed %d logged policy update(s) the checkpoint lacked", replayed)
                     runtime.save_policy(config.policy_path)
