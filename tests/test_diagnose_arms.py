@@ -157,3 +157,66 @@ def test_qa_hypothesis_forms_reach_the_nli():
     Diagnoser(nli, StubKG(KGStatus.MISSING), HypothesisForm.STATEMENT).diagnose(
         "claim", ["p"], "evidence.", Label.SUPPORTS, True)
     assert nli.pairs[1] == ("p", "evidence.")
+
+
+class HashedNLI:
+    """Deterministic, varied probabilities per (premise, hypothesis); counts the pairs it scores."""
+
+    labels = ["contradiction", "entailment", "neutral"]
+
+    def __init__(self):
+        self.pairs = 0
+
+    def score(self, pairs):
+        from stand_ins import hash_nli_scores
+
+        self.pairs += len(pairs)
+        return hash_nli_scores(pairs)
+
+
+@pytest.mark.parametrize("fv", [True, False])
+def test_until_entailed_gives_all_pairs_verdicts_with_fewer_pairs(fv):
+    """e_r aggregates "any entailment -> ENTAILMENT": stopping at the first entailing pair changes no verdict,
+    and every pair it did score has the probabilities the full scoring gives."""
+    from d2r_edge.diagnose import ResponseNLI
+
+    rng = np.random.default_rng(3)
+    words = "the old mill bridge was designed by agnes morrow in seventeen ninety seven stone arch river".split()
+    saved = scored_all = 0
+    for case in range(300):
+        k = int(rng.integers(0, 7))
+        passages = [" ".join(rng.choice(words, size=int(rng.integers(3, 12)))) for _ in range(k)]
+        response = passages[int(rng.integers(k))] if k and rng.random() < 0.5 else " ".join(rng.choice(words, 4))
+        label = [None, *Label][int(rng.integers(5))] if fv else None
+        full_nli, lazy_nli = HashedNLI(), HashedNLI()
+        full = Diagnoser(full_nli, StubKG(KGStatus.MISSING)).diagnose("claim?", passages, response, label, fv)
+        lazy = Diagnoser(lazy_nli, StubKG(KGStatus.MISSING), response_nli=ResponseNLI.UNTIL_ENTAILED).diagnose(
+            "claim?", passages, response, label, fv)
+        assert (lazy.failure, lazy.e_q, lazy.e_r, lazy.kg, lazy.gated_label) == \
+            (full.failure, full.e_q, full.e_r, full.kg, full.gated_label), case
+        assert lazy.passage_probs_q == full.passage_probs_q
+        kept = [i for i, p in enumerate(lazy.passage_probs_r) if p is not None]
+        assert all(lazy.passage_probs_r[i] == pytest.approx(full.passage_probs_r[i]) for i in kept)
+        assert len(lazy.passage_probs_r) == k and lazy_nli.pairs == k + len(kept) <= full_nli.pairs
+        if len(kept) < k:                       # it stopped early: only at an entailing pair
+            assert lazy.e_r is E and max(lazy.passage_probs_r[kept[-1]], key=lazy.passage_probs_r[kept[-1]].get) \
+                == "entailment"
+        saved += full_nli.pairs - lazy_nli.pairs
+        scored_all += full_nli.pairs
+    assert saved > 0.1 * scored_all             # it does save work on this mix
+
+
+def test_until_entailed_scores_the_extracted_sentence_first():
+    from d2r_edge.diagnose import ResponseNLI
+
+    class EntailsOwnSentence(HashedNLI):
+        def score(self, pairs):
+            self.pairs += len(pairs)
+            return np.asarray([[0, 1, 0] if h in p else [0, 0, 1] for p, h in pairs], dtype=np.float32)
+
+    nli = EntailsOwnSentence()
+    passages = ["Rivers run.", "Hills rise high.", "The mill stands by the river. It is old.", "Stone."]
+    d = Diagnoser(nli, StubKG(KGStatus.MISSING), response_nli=ResponseNLI.UNTIL_ENTAILED).diagnose(
+        "Is the mill old?", passages, "The mill stands by the river.", Label.SUPPORTS, True)
+    assert nli.pairs == 4 + 1 and d.e_r is E                     # 4 claim pairs, then the source passage only
+    assert [p is not None for p in d.passage_probs_r] == [False, False, True, False]

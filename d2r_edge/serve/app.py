@@ -27,13 +27,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+import d2r_edge.serve.openai_api as api
 from d2r_edge.errors import ConfigError, D2RError, InputError
 from d2r_edge.generate.openai_compat import GeneratorError
 from d2r_edge.jsonl import loads as json_loads
 from d2r_edge.onnx.sharing import MicroBatcher
 from d2r_edge.runner import RecordLog, run_record_ok
 from d2r_edge.runtime import Result, Runtime
-from d2r_edge.serve import openai_api as api
 from d2r_edge.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
