@@ -11,7 +11,7 @@ import numpy as np
 from d2r_edge.budget import CostModel, MemoryProbe, Meter
 from d2r_edge.config import Budget, ContextConfig, ExplorationConfig, RewardConfig
 from d2r_edge.detector import Detector, Gate
-from d2r_edge.diagnose import Diagnoser
+from d2r_edge.diagnose import Diagnoser, ResponseNLI
 from d2r_edge.errors import ConfigError, PolicyFileError
 from d2r_edge.generate.registry import Encoders, build_generator
 from d2r_edge.hypothesis import HypothesisForm
@@ -70,6 +70,9 @@ class RunSettings:
     parallel_requests: int = 1             # Runtime: queries answered at once (1 = one at a time)
     micro_batch_pairs: int = 0             # > 0: concurrent queries' NLI pairs merged up to this many
     micro_batch_wait_ms: float = 2.0       # ... or what arrived this long after the first
+    # which (passage, response) pairs e_r scores; the same verdicts either way (diagnose.ResponseNLI).
+    # A detector reads every pair's probabilities: with one (or --gate calibrated) every pair is scored.
+    response_nli: ResponseNLI = ResponseNLI.UNTIL_ENTAILED
 
     def __post_init__(self) -> None:
         for name in ("nli_cache_pairs", "micro_batch_pairs"):
@@ -80,6 +83,18 @@ class RunSettings:
             raise ConfigError(f"parallel_requests must be an int >= 1, got {self.parallel_requests!r}")
         if not (isinstance(self.micro_batch_wait_ms, (int, float)) and 0 <= self.micro_batch_wait_ms <= 1000):
             raise ConfigError(f"micro_batch_wait_ms must be in [0, 1000], got {self.micro_batch_wait_ms!r}")
+        try:
+            object.__setattr__(self, "response_nli", ResponseNLI(self.response_nli))
+        except ValueError:
+            raise ConfigError(f"response_nli must be one of {[m.value for m in ResponseNLI]}, "
+                              f"got {self.response_nli!r}") from None
+
+    @property
+    def effective_response_nli(self) -> ResponseNLI:
+        """UNTIL_ENTAILED leaves pairs unscored; a detector's features read them all."""
+        if self.detector_path is not None or self.gate is Gate.CALIBRATED:
+            return ResponseNLI.ALL
+        return self.response_nli
 
 
 def costs_path(policy_path: Path) -> Path:
@@ -179,7 +194,8 @@ def build_pipeline(s: RunSettings) -> Pipeline:
     for name, why in arms.unavailable.items():
         log.info("arm %s is off: %s", name, why)
     return Pipeline(task=s.task, retriever=Retriever(kb, embedder, reranker), generator=generator,
-                    diagnoser=Diagnoser(nli, kg, s.qa_hypothesis), policy=policy, context=context, costs=costs,
+                    diagnoser=Diagnoser(nli, kg, s.qa_hypothesis, s.effective_response_nli), policy=policy,
+                    context=context, costs=costs,
                     meter=Meter(MemoryProbe(prefer_device=on_cuda(nli.session))), budget=s.budget,
                     reward_cfg=s.reward,
                     explorer=Explorer(IS_RETRIEVAL, s.exploration) if s.exploration.rate > 0 else None,

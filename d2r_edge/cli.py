@@ -175,6 +175,7 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
     from d2r_edge.app import RunSettings
     from d2r_edge.config import BUDGET_PRESETS, Budget
     from d2r_edge.detector import Gate
+    from d2r_edge.diagnose import ResponseNLI
     from d2r_edge.eval.answers import EvalSettings, evaluate, parse_methods
     from d2r_edge.eval.split import Split
     from d2r_edge.onnx.manifest import Variant
@@ -189,7 +190,7 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
                       base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
                       timeout_s=args.timeout_s, alpha=args.alpha, budget=budget, seed=args.seed,
                       qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages,
-                      gate=Gate(args.gate))
+                      gate=Gate(args.gate), response_nli=ResponseNLI.ALL)   # detection reads every pair
     s = EvalSettings(task=Task(args.task), train=tuple(map(Path, args.train)), test=tuple(map(Path, args.test)),
                      models=Path(args.models), out=out, train_limit=args.train_limit, test_limit=args.test_limit,
                      test_offset=args.test_offset,
@@ -228,7 +229,7 @@ def _settings(args: argparse.Namespace):
         qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages, gate=Gate(args.gate),
         detector_path=_detector(args), nli_cache_pairs=args.nli_cache_pairs,
         parallel_requests=getattr(args, "parallel", 1), micro_batch_pairs=getattr(args, "micro_batch_pairs", 0),
-        micro_batch_wait_ms=getattr(args, "micro_batch_wait_ms", 2.0))
+        micro_batch_wait_ms=getattr(args, "micro_batch_wait_ms", 2.0), response_nli=args.response_nli)
 
 
 def _detector(args: argparse.Namespace) -> Path | None:
@@ -341,6 +342,10 @@ def _pipeline_args(p: argparse.ArgumentParser, generator_key_flag: str = "--api-
                    help="calibrated detector JSON (default: POLICY.detector.json beside --policy, which "
                         "`train --gate calibrated` fits on the labeled queries); when loaded, records carry "
                         "p_wrong under either gate")
+    p.add_argument("--response-nli", default="until_entailed", choices=["until_entailed", "all"],
+                   help="e_r's (passage, response) pairs: until_entailed = most word-sharing passage first, stop "
+                        "at the first entailment (the same verdicts, fewer NLI calls; default), all = every pair "
+                        "(records then hold every probability; forced when a detector is loaded)")
     p.add_argument("--nli-cache-pairs", type=int, default=4096,
                    help="NLI scores of this many recent (premise, hypothesis) pairs are kept: the extractive "
                         "generator and the diagnosis score the same (passage, claim) pairs (0 = off)")

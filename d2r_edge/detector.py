@@ -77,6 +77,7 @@ def _nli_stats(probs: list[dict], prefix: str) -> dict[str, float]:
     """Per-passage NLI probabilities summarized; the share is of passages bearing on the query (q:
     not neutral) or entailing the response (r)."""
     share_name = f"{prefix}_{'bearing' if prefix == 'q' else 'entailing'}_share"
+    probs = [p for p in probs if p is not None]      # (None: a pair left unscored; a detector scores all)
     if not probs:
         return {n: 0.0 for n in _COMMON if n.startswith(f"{prefix}_")}
     ent, neu, con = (np.array([float(p.get(k, 0.0)) for p in probs])

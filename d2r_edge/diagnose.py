@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -41,7 +42,7 @@ class Diagnosis:
     label: Label | None            # the generator's label (fact verification)
     gated_label: Label | None      # UNVERIFIED where Alg. 1 says the label is not evidence-backed
     passage_probs_q: list = field(default_factory=list)   # per passage: {label: prob}
-    passage_probs_r: list = field(default_factory=list)
+    passage_probs_r: list = field(default_factory=list)   # ... None where ResponseNLI.UNTIL_ENTAILED skipped it
 
     @property
     def unverified(self) -> bool:
@@ -81,6 +82,23 @@ def detect_failure(kg: KGStatus, e_q: Entailment, e_r: Entailment, label: Label 
 GATED = (FailureType.INSUFFICIENT_EVIDENCE, FailureType.LABEL_EVIDENCE_MISMATCH)
 
 
+class ResponseNLI(str, Enum):
+    """Which (passage, response) pairs e_r scores. Both give the same e_r, so the same Alg. 1 verdict:
+    the aggregation is "any entailment -> ENTAILMENT", so once one pair entails, the rest cannot change it."""
+
+    ALL = "all"                        # every pair: records hold every passage's probabilities (eval, detector)
+    UNTIL_ENTAILED = "until_entailed"  # passages sharing most words with the response first; stop at an entailment
+
+
+_WORD = re.compile(r"\w+")
+
+
+def _shared_words(passage: str, response: str) -> float:
+    """Share of the response's words that occur in the passage (an extracted sentence: 1.0)."""
+    wr = set(_WORD.findall(response.lower()))
+    return len(wr & set(_WORD.findall(passage.lower()))) / max(1, len(wr))
+
+
 class Diagnoser:
     """Runs the signals: 2k NLI pairs in one batched call, then the KG check.
 
@@ -89,9 +107,11 @@ class Diagnoser:
     evidence sentences and are judged as they are.
     """
 
-    def __init__(self, nli, kg_checker, qa_hypothesis: HypothesisForm = HypothesisForm.STATEMENT) -> None:
+    def __init__(self, nli, kg_checker, qa_hypothesis: HypothesisForm = HypothesisForm.STATEMENT,
+                 response_nli: ResponseNLI = ResponseNLI.ALL) -> None:
         self.nli, self.kg = nli, kg_checker
         self.qa_hypothesis = HypothesisForm(qa_hypothesis)
+        self.response_nli = ResponseNLI(response_nli)
         self.labels = [Entailment(name.lower()) for name in nli.labels]
 
     def _states(self, probs: np.ndarray) -> list[Entailment]:
@@ -103,18 +123,33 @@ class Diagnoser:
         hyp = response or ""
         if not fact_verification:
             hyp = hypothesis(self.qa_hypothesis, query, hyp)
-        if k:
-            pairs = [(p, query) for p in passages] + [(p, hyp) for p in passages]
-            probs = self.nli.score(pairs)
+        if k and self.response_nli is ResponseNLI.ALL:
+            probs = self.nli.score([(p, query) for p in passages] + [(p, hyp) for p in passages])
             pq, pr = probs[:k], probs[k:]
+        elif k:
+            pq, pr = self.nli.score([(p, query) for p in passages]), self._until_entailed(passages, hyp)
         else:
             pq = pr = np.zeros((0, len(self.labels)), dtype=np.float32)
-        e_q, e_r = aggregate_nli(self._states(pq)), aggregate_nli(self._states(pr))
+        scored = ~np.isnan(pr).any(axis=1)
+        e_q, e_r = aggregate_nli(self._states(pq)), aggregate_nli(self._states(pr[scored]))
         kg = self.kg.check(response).status
         failure = detect_failure(kg, e_q, e_r, label if fact_verification else None)
         gated = label
         if fact_verification and failure in GATED:
             gated = Label.UNVERIFIED
         names = [lab.value for lab in self.labels]
-        as_dicts = lambda m: [dict(zip(names, map(float, row))) for row in m]  # noqa: E731
+        as_dicts = lambda m: [None if np.isnan(row).any() else dict(zip(names, map(float, row)))  # noqa: E731
+                              for row in m]
         return Diagnosis(failure, e_q, e_r, kg, label, gated, as_dicts(pq), as_dicts(pr))
+
+    def _until_entailed(self, passages: list[str], hyp: str) -> np.ndarray:
+        """(passage, response) probabilities, NaN rows for the pairs not scored: one pair at a time, the
+        passages that share most words with the response first (ties in retrieval order), until one
+        entails. On a CPU a pair costs the same alone or batched; on a GPU, ResponseNLI.ALL batches."""
+        out = np.full((len(passages), len(self.labels)), np.nan, dtype=np.float32)
+        entail = self.labels.index(Entailment.ENTAILMENT) if Entailment.ENTAILMENT in self.labels else -1
+        for i in sorted(range(len(passages)), key=lambda i: -_shared_words(passages[i], hyp)):
+            out[i] = self.nli.score([(passages[i], hyp)])[0]
+            if int(out[i].argmax()) == entail:
+                break
+        return out

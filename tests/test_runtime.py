@@ -146,3 +146,22 @@ def test_parallel_queries_with_merged_nli_calls_answer_as_one_at_a_time(demo_kb,
     refresh = [name for name in parallel.pipeline.arms.unavailable if name.endswith("_refresh")]
     assert len(refresh) == 4 and not any(name.endswith("_refresh") for name in serial.pipeline.arms.unavailable)
     nli.inner.close()
+
+
+def test_response_nli_is_lazy_unless_a_detector_reads_every_pair(tmp_path):
+    from d2r_edge.app import RunSettings
+    from d2r_edge.detector import Gate
+    from d2r_edge.diagnose import ResponseNLI
+    from d2r_edge.errors import ConfigError
+
+    base = dict(kb=tmp_path, models=tmp_path, task=Task.FEVER)
+    assert RunSettings(**base).effective_response_nli is ResponseNLI.UNTIL_ENTAILED
+    assert RunSettings(**base, response_nli="all").effective_response_nli is ResponseNLI.ALL
+    assert RunSettings(**base, gate=Gate.CALIBRATED).effective_response_nli is ResponseNLI.ALL
+    assert RunSettings(**base, detector_path=tmp_path / "d.json").effective_response_nli is ResponseNLI.ALL
+    with pytest.raises(ConfigError, match="response_nli"):
+        RunSettings(**base, response_nli="some")
+    for bad in (dict(parallel_requests=0), dict(micro_batch_pairs=-1), dict(nli_cache_pairs=1.5),
+                dict(micro_batch_wait_ms=5000)):
+        with pytest.raises(ConfigError):
+            RunSettings(**base, **bad)

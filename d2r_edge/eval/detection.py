@@ -73,7 +73,8 @@ def alg1_score(diagnosis) -> float:
     """Algorithm 1's NLI probabilities as one failure score in [0, 1] (module docstring)."""
     if diagnosis.kg is KGStatus.CONFLICT:
         return 1.0
-    pq, pr = diagnosis.passage_probs_q, diagnosis.passage_probs_r
+    pq = [p for p in diagnosis.passage_probs_q if p is not None]
+    pr = [p for p in diagnosis.passage_probs_r if p is not None]     # (None: a pair left unscored)
     if not pq or not pr:
         return 1.0
     bears = max(1.0 - float(p.get("neutral", 0.0)) for p in pq)

@@ -87,8 +87,10 @@ def _text(value) -> str:
 
 
 def _probs(rows) -> list:
-    """Per-passage NLI probabilities as stored ({label: p} per passage), checked to be that."""
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(map(_is_number, r.values())) for r in rows):
+    """Per-passage NLI probabilities as stored ({label: p} per passage, None for a pair not scored),
+    checked to be that."""
+    if not isinstance(rows, list) or not all(r is None or (isinstance(r, dict) and all(map(_is_number, r.values())))
+                                             for r in rows):
         raise TypeError("NLI probabilities are not a list of {label: probability}")
     return rows
 
