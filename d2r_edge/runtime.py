@@ -132,7 +132,6 @@ class Runtime:
         self.task: Task = self.pipeline.task
         # queries answered at once; the policy's own state is behind pipeline.state_lock
         self._slots = threading.BoundedSemaphore(getattr(settings, "parallel_requests", 1) or 1)
-        self.updates_since_start = 0
 
     def _task(self, task) -> Task:
         if task is None:
@@ -153,14 +152,12 @@ class Runtime:
         Raises InputError for a bad query and GeneratorError when the generator cannot answer."""
         query = check_query(query, "claim" if self.task.fact_verification else "question")
         task = self._task(task)
-        if deadline_s is not None and not (isinstance(deadline_s, (int, float)) and deadline_s > 0):
+        if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
+                                       or not deadline_s > 0):
             raise InputError(f"deadline_s must be a number > 0, got {deadline_s!r}")
         rid = request_id or uuid.uuid4().hex
         with self._slots:
             rec, first, final = self.pipeline.run_attempts(query, learn, deadline_s)
-        if learn and rec.get("repair"):
-            with self.pipeline.state_lock:
-                self.updates_since_start += 1
         record = {"id": rid, "request_id": rid, "epoch": None, "query": query, "gold_label": None,
                   "gold_answer": None, "task": task.value, **rec, "first_correct": None,
                   "final_correct": None, "error": None}

@@ -136,15 +136,33 @@ def demo_questions() -> list[str]:
     return [json.loads(line)["question"] for line in (DEMO / "questions.jsonl").read_text().splitlines()]
 
 
+class QueryGatedNLI(HashNLI):
+    """`hash_nli_scores`, except that every premise is neutral to a hypothesis whose hash is 0 mod 3: the
+    questions (claims) so marked are diagnosed insufficient_evidence whatever was retrieved, so failures
+    and repairs occur on any KB and any random-weight generator."""
+
+    def __init__(self, real):
+        super().__init__(real)
+        self.neutral = [name.lower() for name in real.labels].index("neutral")
+
+    def score(self, pairs):
+        out = hash_nli_scores(pairs)
+        for i, (_, h) in enumerate(pairs):
+            if hashlib.sha256(h.encode()).digest()[0] % 3 == 0:
+                out[i] = 0.0
+                out[i, self.neutral] = 1.0
+        return out
+
+
 def make_runtime(kb: Path, models: Path, task=None, **kw):
-    """A Runtime on `kb` with random-weight `models` whose diagnoser scores with `hash_nli_scores`
-    (varied failures, so repairs occur); the generator keeps the model's NLI."""
+    """A Runtime on `kb` with random-weight `models` whose diagnoser scores with `QueryGatedNLI` (some
+    questions always fail the evidence check, so repairs occur); the generator keeps the model's NLI."""
     from d2r_edge.app import RunSettings
     from d2r_edge.runtime import Runtime
     from d2r_edge.tasks import Task
 
     rt = Runtime(RunSettings(kb=kb, models=models, task=task or Task.QA, allow_random_weights=True, **kw))
-    rt.pipeline.diagnoser.nli = HashNLI(rt.pipeline.diagnoser.nli)
+    rt.pipeline.diagnoser.nli = QueryGatedNLI(rt.pipeline.diagnoser.nli)
     return rt
 
 
