@@ -51,7 +51,10 @@ def world(tmp_path_factory):
             for row in rows:
                 fh.write(json.dumps({**row, "id": f"{row['id']}-{copy}"}) + "\n")
     EXTRA["ray-bench-models"] = str(models.name)
-    settings = RunSettings(kb=tmp / "kb", models=models, task=Task.FEVER, allow_random_weights=allow)
+    # a 16-pair NLI cache: each query's generator and diagnosis still share its pairs, but a repeated copy of
+    # a claim (16 queries later) is scored again, as distinct claims would be
+    settings = RunSettings(kb=tmp / "kb", models=models, task=Task.FEVER, allow_random_weights=allow,
+                           nli_cache_pairs=16)
     t0 = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     TIMES["ray_init"] = {"startup_s": time.perf_counter() - t0}
