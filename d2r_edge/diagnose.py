@@ -100,7 +100,8 @@ def _shared_words(passage: str, response: str) -> float:
 
 
 class Diagnoser:
-    """Runs the signals: 2k NLI pairs in one batched call, then the KG check.
+    """Runs the signals: the k (passage, query) NLI pairs and the (passage, response) pairs `response_nli`
+    asks for (ALL: all 2k in one batched call; UNTIL_ENTAILED: the k, then one at a time), then the KG check.
 
     For QA the response is a short answer; `qa_hypothesis` says how it becomes the
     hypothesis the NLI judges (see d2r_edge/hypothesis.py). FEVER responses are
