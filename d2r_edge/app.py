@@ -148,10 +148,6 @@ def check_context(path: Path, saved: dict | None, current: dict) -> None:
                               f"settings it was trained with ({fix}) or retrain it")
 
 
-def policy_updates(policy) -> int:
-    return updates_of(policy)
-
-
 def build_pipeline(s: RunSettings) -> Pipeline:
     manifest = load_manifest(s.models)
     allow, session = s.allow_random_weights, SessionConfig(intra_op_threads=s.intra_op_threads)
@@ -265,7 +261,7 @@ def save_policy(pipeline: Pipeline, path: Path) -> None:
 def replay_missing_updates(pipeline: Pipeline, records: list[dict]) -> int:
     """Updates logged before a crash but absent from the saved policy are applied again."""
     logged = [r["repair"] for r in records if r.get("repair") and r["repair"].get("x") is not None]
-    missing = len(logged) - policy_updates(pipeline.policy)
+    missing = len(logged) - updates_of(pipeline.policy)
     if missing < 0:
         raise PolicyFileError("the policy has more updates than the training log; use the log it was trained with")
     for rep in logged[len(logged) - missing:]:

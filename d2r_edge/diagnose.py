@@ -93,10 +93,10 @@ class ResponseNLI(str, Enum):
 _WORD = re.compile(r"\w+")
 
 
-def _shared_words(passage: str, response: str) -> float:
-    """Share of the response's words that occur in the passage (an extracted sentence: 1.0)."""
-    wr = set(_WORD.findall(response.lower()))
-    return len(wr & set(_WORD.findall(passage.lower()))) / max(1, len(wr))
+def shared_words(text: str, target: str) -> float:
+    """Share of `target`'s words that occur in `text` (a sentence extracted from a passage: 1.0)."""
+    wt = set(_WORD.findall(target.lower()))
+    return len(wt & set(_WORD.findall(text.lower()))) / max(1, len(wt))
 
 
 class Diagnoser:
@@ -149,7 +149,7 @@ class Diagnoser:
         entails. On a CPU a pair costs the same alone or batched; on a GPU, ResponseNLI.ALL batches."""
         out = np.full((len(passages), len(self.labels)), np.nan, dtype=np.float32)
         entail = self.labels.index(Entailment.ENTAILMENT) if Entailment.ENTAILMENT in self.labels else -1
-        for i in sorted(range(len(passages)), key=lambda i: -_shared_words(passages[i], hyp)):
+        for i in sorted(range(len(passages)), key=lambda i: -shared_words(passages[i], hyp)):
             out[i] = self.nli.score([(passages[i], hyp)])[0]
             if int(out[i].argmax()) == entail:
                 break

@@ -178,33 +178,35 @@ class RecordLog:
     def _rewrite_kept(self, valid: Validator | None, drop) -> None:
         """keep=False's rewrite: the file's good lines not dropped, copied as they are, a line at a time
         (atomically, as `rewrite`)."""
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(self.path, "rb") as src, open(tmp, "wb") as out:
-            for raw in src:
-                row = _record(raw, valid) if raw.strip() else None
-                if row is not None and (drop is None or not drop(row)):
-                    out.write(raw if raw.endswith(b"\n") else raw + b"\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, self.path)
-        _fsync_dir(self.path.parent)
+        def lines():
+            with open(self.path, "rb") as src:
+                for raw in src:
+                    row = _record(raw, valid) if raw.strip() else None
+                    if row is not None and (drop is None or not drop(row)):
+                        yield raw if raw.endswith(b"\n") else raw + b"\n"
+
+        self._replace_with(lines())
 
     def rewrite(self, records: list[dict]) -> None:
         """Replace the file's records atomically (compaction); appends then continue on the new file."""
         appending = getattr(self, "_fh", None)
         if appending is not None and not appending.closed:
             appending.close()
+        self._replace_with((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8") for rec in records)
+        self.records = list(records)
+        if appending is not None:        # (from __init__, the log opens its file itself)
+            self._fh = open(self.path, "a", encoding="utf-8")
+
+    def _replace_with(self, lines) -> None:
+        """The file becomes `lines` (bytes) atomically: temp file, fsync, rename, fsync of the directory."""
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as out:
-            for rec in records:
-                out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        with open(tmp, "wb") as out:
+            for line in lines:
+                out.write(line)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, self.path)
         _fsync_dir(self.path.parent)
-        self.records = list(records)
-        if appending is not None:        # (from __init__, the log opens its file itself)
-            self._fh = open(self.path, "a", encoding="utf-8")
 
     def append(self, rec: dict) -> None:
         self._fh.write(json.dumps(rec, ensure_ascii=False) + "\n")

@@ -4,7 +4,7 @@
 
     rt = Runtime(RunSettings(kb=Path("demo-out/kb"), models=Path("models/offline"), task=Task.QA))
     res = rt.answer("Who designed the Millbrook footbridge?", deadline_s=2.0)
-    print(res.answer, res.failure, res.repaired, res.latency_ms["overhead"])
+    answer, why, own_ms = res.answer, res.failure, res.latency_ms["overhead"]
     diag = rt.verify("Who designed the Millbrook footbridge?", "Ada Marsh")   # an app's own answer
 
 The same settings as `d2r-edge run` (`RunSettings`), the same record (`Result.record`); `run` and
@@ -25,10 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from d2r_edge.app import build_pipeline, policy_updates, save_policy
-from d2r_edge.diagnose import Diagnosis, Label
+from d2r_edge.app import build_pipeline, save_policy
+from d2r_edge.diagnose import Diagnosis, Label, shared_words
 from d2r_edge.errors import InputError
 from d2r_edge.pipeline import Pipeline
+from d2r_edge.policy import updates_of
 from d2r_edge.retrieval.retriever import Passage, evidence_text
 from d2r_edge.signals import FailureType
 from d2r_edge.tasks import Task
@@ -131,7 +132,7 @@ class Runtime:
         self.pipeline = pipeline if pipeline is not None else build_pipeline(settings)
         self.task: Task = self.pipeline.task
         # queries answered at once; the policy's own state is behind pipeline.state_lock
-        self._slots = threading.BoundedSemaphore(getattr(settings, "parallel_requests", 1) or 1)
+        self._slots = threading.BoundedSemaphore(settings.parallel_requests)
 
     def _task(self, task) -> Task:
         if task is None:
@@ -180,7 +181,7 @@ class Runtime:
         done = 0
         with self.pipeline.state_lock:
             for rep in repairs:
-                if rep.get("x") is None or int(rep.get("policy_updates") or 0) <= policy_updates(self.pipeline.policy):
+                if rep.get("x") is None or int(rep.get("policy_updates") or 0) <= updates_of(self.pipeline.policy):
                     continue
                 self.pipeline.policy.update(int(rep["arm_index"]), np.asarray(rep["x"], dtype=float),
                                             float(rep["reward"]))
@@ -213,7 +214,7 @@ class Runtime:
                 refs = _refs(found)
             else:
                 refs = _given_passages(passages)
-                texts = [f"{r.title}\n{r.text}" if r.title and pipe.default.evidence_titles else r.text
+                texts = [evidence_text(Passage(-1, r.doc_id, r.title, r.text, 0.0), pipe.default.evidence_titles)
                          for r in refs]
             retrieved = time.perf_counter()
             if fv and not answer.strip():
@@ -241,13 +242,13 @@ def _given_passages(passages) -> tuple[PassageRef, ...]:
         title = p.get("title", "")
         if not isinstance(title, str):
             raise InputError(f"passages[{i}].title must be a string")
-        out.append(PassageRef(str(p.get("id", f"given-{i}")), title, None, check_query(p["text"],
-                                                                                               f"passages[{i}].text")))
+        text = check_query(p["text"], f"passages[{i}].text")
+        out.append(PassageRef(str(p.get("id", f"given-{i}")), title, None, text))
     return tuple(out)
 
 
 def _closest_sentence(claim: str, texts: list[str]) -> str:
-    from d2r_edge.generate.extractive import _overlap, sentences
+    from d2r_edge.generate.extractive import sentences
 
     sents = [s for t in texts for s in sentences(t)]
-    return max(sents, key=lambda s: _overlap(s, claim)) if sents else ""
+    return max(sents, key=lambda s: shared_words(s, claim)) if sents else ""

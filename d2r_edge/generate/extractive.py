@@ -10,23 +10,17 @@ import re
 
 import numpy as np
 
-from d2r_edge.diagnose import Label, aggregate_nli
+from d2r_edge.diagnose import Label, aggregate_nli, shared_words
 from d2r_edge.generate.base import Generation
 from d2r_edge.repair import PromptStyle
 from d2r_edge.signals import Entailment
 from d2r_edge.tasks import Task
 
 _SENT = re.compile(r"(?<=[.!?])\s+")
-_WORD = re.compile(r"\w+")
 
 
 def sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENT.split(text) if s.strip()]
-
-
-def _overlap(a: str, b: str) -> float:
-    wa, wb = set(_WORD.findall(a.lower())), set(_WORD.findall(b.lower()))
-    return len(wa & wb) / max(1, len(wb))
 
 
 class Extractive:
@@ -52,7 +46,7 @@ class Extractive:
                  Entailment.NEUTRAL: Label.NOT_ENOUGH_INFO}[agg]
         best = int(np.argmax(probs[:, self.labels.index(agg)]))
         sents = sentences(passages[best]) or [passages[best]]
-        response = max(sents, key=lambda s: _overlap(s, claim))
+        response = max(sents, key=lambda s: shared_words(s, claim))
         return Generation(response, label, f"extractive: {agg.value} from passage {best + 1}")
 
     def _answer(self, question: str, passages: list[str]) -> Generation:
@@ -65,6 +59,6 @@ class Extractive:
             v = self.embedder.encode([question] + sents)
             scores = v[1:] @ v[0]
         else:
-            scores = np.array([_overlap(s, question) for s in sents])
+            scores = np.array([shared_words(s, question) for s in sents])
         best = int(np.argmax(scores))
         return Generation(sents[best], None, f"extractive: sentence {best + 1} of {len(sents)}")
