@@ -128,6 +128,60 @@ def test_meter_catches_a_short_peak():
     assert m.result.mem_growth_mib >= 28
 
 
+class _SetProbe:
+    """A host-kind probe whose value the test sets."""
+
+    kind, source = MemoryKind.HOST, MemorySource.HOST_RSS
+
+    def __init__(self):
+        self.value = 0
+
+    def read(self):
+        return self.value
+
+
+def test_overlapping_measurements_keep_their_own_start_and_peak():
+    import time
+
+    probe = _SetProbe()
+    meter = Meter(probe)
+    outer = meter.measure()
+    with outer:
+        probe.value = 10 * 2**20          # seen by outer only
+        time.sleep(0.03)
+        probe.value = 4 * 2**20
+        inner = meter.measure()
+        with inner:                        # starts at 4 MiB
+            probe.value = 7 * 2**20
+            time.sleep(0.03)
+            probe.value = 4 * 2**20
+        time.sleep(0.01)
+    assert outer.result.mem_growth_mib == pytest.approx(10.0)
+    assert inner.result.mem_growth_mib == pytest.approx(3.0)
+    assert inner.result.samples >= 3 and outer.result.samples > inner.result.samples
+
+
+def test_one_sampler_thread_per_meter_ended_when_idle(monkeypatch):
+    import threading
+    import time
+
+    monkeypatch.setattr(Meter, "linger_s", 0.02)
+    monkeypatch.setattr(Meter, "idle_exit_s", 0.05)
+    meter = Meter(_SetProbe())
+    before = set(threading.enumerate())      # other meters' threads, if any
+    seen = set()
+    for _ in range(50):
+        with meter.measure():
+            seen.update(t for t in threading.enumerate() if t.name == "d2r-meter")
+    mine = meter._thread
+    assert seen - before == {mine}           # one thread, reused by all 50
+    mine.join(timeout=5)
+    assert not mine.is_alive() and meter._thread is None       # idle: gone
+    with meter.measure() as m:                                 # and back on use, still sampling
+        time.sleep(0.02)
+    assert m.result.samples >= 3 and meter._thread is not mine
+
+
 class _FakeNVML(types.SimpleNamespace):
     """A stand-in for pynvml: one GPU, memory set by the test."""
 
