@@ -293,7 +293,7 @@ def process(pipeline, queries: list[Query], out: Path, learn: bool, epoch: int |
 
 
 _SUMMARY_KEYS = ("id", "epoch", "error", "failure", "repair", "repair_skipped", "repair_error", "first_correct",
-                 "final_correct", "total_s", "first_answer", "final_answer")
+                 "final_correct", "total_s", "first_answer", "final_answer", "task", "gold_answer")
 
 
 def summary_of(path: Path) -> str:
@@ -340,6 +340,7 @@ def summary(records: list[dict]) -> str:
         if vals:
             name = "naive (first answer)" if which == "first" else "D2R (final answer)"
             lines.append(f"{name} accuracy/EM: {np.mean(vals):.3f} over {len(vals)}")
+    lines += _containment(ok)
     tot = [r["total_s"] for r in ok]
     if tot:
         lines.append(f"per-query latency p50 {np.percentile(tot, 50):.3f} s, p95 {np.percentile(tot, 95):.3f} s")
@@ -351,6 +352,18 @@ def summary(records: list[dict]) -> str:
                      f"budget violations {over}/{len(rep)}; memory kind {rep[0]['memory_kind']}")
     lines += _repairs(ok)
     return "\n".join(lines)
+
+
+def _containment(ok: list[dict]) -> list[str]:
+    """QA: how often the answer holds the gold answer (sentence answers have EM 0 by construction)."""
+    from d2r_edge.eval.metrics import contains_answer
+
+    qa = [r for r in ok if r.get("task") == Task.QA.value and r.get("gold_answer")]
+    if not qa:
+        return []
+    first, final = ([contains_answer(r.get(f"{w}_answer") or "", [str(r["gold_answer"])]) for r in qa]
+                    for w in ("first", "final"))
+    return [f"answers holding the gold answer: first {int(sum(first))}/{len(qa)}, final {int(sum(final))}/{len(qa)}"]
 
 
 def _clip(text, n: int = 60) -> str:

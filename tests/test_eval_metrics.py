@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from d2r_edge.eval.metrics import (
+    contains_answer,
     exact_match,
     fever_label,
     flips,
@@ -20,6 +21,14 @@ def test_squad_normalization():
     assert normalize_answer("The  National Hockey League!") == "national hockey league"
     assert normalize_answer("an Apple, a day") == "apple day"
     assert normalize_answer("theatre") == "theatre"          # articles only as whole words
+
+
+def test_contains_answer_on_token_boundaries():
+    assert contains_answer("The bridge was designed by Agnes Morrow in 1881.", ["Agnes Morrow"]) == 1.0
+    assert contains_answer("It opened in 1967.", ["1967"]) == 1.0
+    assert contains_answer("It opened in 19670.", ["1967"]) == 0.0        # not a token
+    assert contains_answer("Played by the Northbank Orchestra.", ["the Northbank Orchestra"]) == 1.0
+    assert contains_answer("anything", [""]) == 0.0 and contains_answer("", ["x"]) == 0.0
 
 
 def test_exact_match_against_aliases():

@@ -300,3 +300,25 @@ def test_train_with_the_calibrated_gate_fits_the_detector_and_run_uses_it(world,
     # a policy trained under the calibrated gate is refused under the paper gate (its contexts differ)
     assert main(["run", *common, "--out", str(tmp_path / "r3.jsonl"), "--policy", str(policy)]) != 0
     assert "--gate" in capsys.readouterr().err
+
+
+def test_qa_summary_counts_answers_holding_the_gold(tmp_path):
+    """EM is 0 for sentence answers by construction; the summary also says how many hold the gold."""
+    from d2r_edge.runner import summary_of
+
+    recs = [{"id": "a", "task": "qa", "failure": "no_failure", "repair": None, "error": None, "total_s": 0.1,
+             "gold_answer": "Agnes Morrow", "first_answer": "Designed by Agnes Morrow.",
+             "final_answer": "Designed by Agnes Morrow.", "first_correct": False, "final_correct": False},
+            {"id": "b", "task": "qa", "failure": "insufficient_evidence", "repair": None, "error": None,
+             "total_s": 0.1, "gold_answer": "1967", "first_answer": "In 1966.", "final_answer": "Built in 1967.",
+             "first_correct": False, "final_correct": False},
+            {"id": "c", "task": "qa", "failure": "no_failure", "repair": None, "error": None, "total_s": 0.1,
+             "gold_answer": None, "first_answer": "x", "final_answer": "x",
+             "first_correct": None, "final_correct": None}]
+    out = tmp_path / "qa.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    text = summary_of(out)
+    assert "accuracy/EM: 0.000 over 2" in text
+    assert "answers holding the gold answer: first 1/2, final 2/2" in text
+    fever = [dict(r, task="fever") for r in recs]
+    assert "holding the gold" not in summary(fever)

@@ -26,6 +26,15 @@ def exact_match(prediction: str, answers) -> float:
     return float(any(p == normalize_answer(a) for a in answers))
 
 
+def contains_answer(prediction: str, answers) -> float:
+    """1.0 when a normalized gold answer occurs, on token boundaries, in the normalized prediction.
+
+    For generators that answer with a sentence (the extractive one): EM is 0 by construction there.
+    """
+    p = f" {normalize_answer(prediction or '')} "
+    return float(any(g and f" {g} " in p for g in map(normalize_answer, answers)))
+
+
 def _f1(prediction: str, answer: str) -> float:
     p, g = normalize_answer(prediction).split(), normalize_answer(answer).split()
     # HotpotQA's official script: yes/no/noanswer only match exactly
