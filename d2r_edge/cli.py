@@ -97,6 +97,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir) if args.data_dir else None,
         seed=args.seed,
         random_init=args.random_init,
+        heldout_limit=args.heldout_limit,
         finetune=_finetune_settings(args, build.profile_finetune_preset(
             args.profile, Path(args.profiles) if args.profiles else Path(args.models_dir) / "profiles.toml")
             if not args.random_init else "full"),
@@ -419,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of random-weight models")
     p.add_argument("--max-train-pairs", type=int, default=None,
                    help="fine-tuned roles (offline profile): train on at most N pairs (quick runs)")
+    p.add_argument("--heldout-limit", type=int, default=None,
+                   help="fine-tuned roles: validate on at most N pairs / questions per held-out set and "
+                        "calibrate int8 on at most N pairs (faster, noisier figures; default: all)")
     p.add_argument("--epochs", type=int, default=None,
                    help="fine-tuned roles: passes over the data (default: NLI 3, reranker 2)")
     p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",

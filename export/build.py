@@ -15,7 +15,7 @@ import platform
 import shutil
 import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -54,6 +54,9 @@ class ExportRequest:
     seed: int = 0
     random_init: str | None = None     # build this real-size random config for the role it serves
     finetune: object | None = None     # export.finetune.FinetuneSettings for finetune: sources
+    # score at most this many pairs / questions per held-out set and calibrate int8 on at most this
+    # many pairs: a faster build whose validation figures are noisier (recorded in the manifest)
+    heldout_limit: int | None = None
 
 
 def _profile_table(name: str, profiles_file: Path) -> dict:
@@ -195,6 +198,23 @@ def export_role(role: Role, src: ResolvedSource, root: Path, variants: tuple[Var
     }
 
 
+def spread(rows: list, n: int | None) -> list:
+    """At most `n` rows, evenly spaced over the list (its sources and labels come in runs)."""
+    if n is None or len(rows) <= n:
+        return rows
+    return [rows[i * len(rows) // n] for i in range(n)]
+
+
+def limit_heldout(sets, n: int | None):
+    """The held-out parts of `PairSets`, each cut to `n` rows by `spread`; training parts untouched."""
+    if n is None:
+        return sets
+    general = sets.general
+    if general is not None:
+        general = replace(general, heldout={g: spread(rows, n) for g, rows in general.heldout.items()})
+    return replace(sets, nli_val=spread(sets.nli_val, n), rerank_val=spread(sets.rerank_val, n), general=general)
+
+
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -271,6 +291,8 @@ def settle_int8(work: Path, manifest: dict, role: Role, pairs: list[tuple[str, s
 
 def run_export(req: ExportRequest) -> Path:
     """Export every role of a profile; returns the manifest path."""
+    if req.heldout_limit is not None and req.heldout_limit < 1:
+        raise ConfigError(f"--heldout-limit must be >= 1, got {req.heldout_limit}")
     if req.random_init:  # one real-size random model; the profile name only names the output
         from export.tiny import RANDOM_MODELS
 
@@ -297,7 +319,8 @@ def run_export(req: ExportRequest) -> Path:
     for role, src in resolved.items():
         manifest["roles"][role.value] = export_role(role, src, work, req.variants)
     _write_json(work / MANIFEST_NAME, manifest)
-    calibration = load_parity_set(req.data_dir, n_pairs=CALIBRATION_PAIRS, skip_heldout=True).pairs
+    calibration = load_parity_set(req.data_dir, n_pairs=min(CALIBRATION_PAIRS, req.heldout_limit or CALIBRATION_PAIRS),
+                                  skip_heldout=True).pairs
     for role, src in resolved.items():
         if role not in (Role.NLI, Role.RERANKER) or Variant.INT8.value not in manifest["roles"][role.value]["variants"]:
             continue
@@ -335,7 +358,8 @@ def run_export(req: ExportRequest) -> Path:
             check = finetune_eval.validate_nli if role is Role.NLI else finetune_eval.validate_reranker
             entry = manifest["roles"][role.value]
             entry["training"] = src.training
-            entry["validation"] = check(loaded, sets)
+            entry["validation"] = {**check(loaded, limit_heldout(sets, req.heldout_limit)),
+                                   "heldout_limit": req.heldout_limit}
             log.info("validation %s: %s", role.value, json.dumps(entry["validation"]))
     _write_json(work / MANIFEST_NAME, manifest)
     old = req.models_dir / f".{req.profile}.old"

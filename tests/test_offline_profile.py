@@ -8,11 +8,12 @@ import warnings
 
 import pytest
 
-from d2r_edge.errors import ExportError, ManifestError
+from d2r_edge.errors import ConfigError, ExportError, ManifestError
 from d2r_edge.onnx.manifest import Role, Variant, load_manifest
 
 pytestmark = pytest.mark.export
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+HELDOUT_LIMIT = 240
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +26,11 @@ def small_offline(tmp_path_factory, shared_data):
     logging.getLogger("optimum").setLevel(logging.ERROR)
     out = tmp_path_factory.mktemp("offline")
     settings = FinetuneSettings(nli_epochs=1, rerank_epochs=1, max_train_pairs=256, nli_fever_train_pairs=128)
+    # held-out sets and int8 calibration cut to 240 (the build's figures are not what is tested here;
+    # all of them took 5 of this fixture's 7 minutes)
     path = run_export(ExportRequest("offline", models_dir=out, profiles_file=ROOT / "models" / "profiles.toml",
                                     data_dir=shared_data, variants=(Variant.FP32, Variant.INT8),
-                                    finetune=settings))
+                                    finetune=settings, heldout_limit=HELDOUT_LIMIT))
     return path.parent, out, settings
 
 
@@ -45,7 +48,14 @@ def test_split_keeps_validation_out_of_training(shared_data):
 
 
 def test_pairs_carry_titles_and_reranker_groups_are_clean(shared_data):
-    from export.finetune_data import CON, ENT, NEU, build_pairs, fever_premise, fever_title
+    from export.finetune_data import (
+        CON,
+        ENT,
+        NEU,
+        build_pairs,
+        fever_premise,
+        fever_title,
+    )
 
     assert fever_title("Psych_-LRB-season_2-RRB-") == "Psych (season 2)"
     premise = fever_premise([["Nikolaj_Coster-Waldau", 7, "He played a detective."],
@@ -133,15 +143,19 @@ def test_manifest_is_traceable(small_offline):
     assert set(v["mutation_probe"]) == {"negation_flipped", "number_swapped"}
     assert all(0 <= p["model_int8_accuracy"] <= 1 and p["pairs"] > 0 for p in v["mutation_probe"].values())
     tiers = nli["variants"]["int8"]["quantization"]["tier_agreement"]   # trained: the tier search ran
-    # up to 1,000 calibration pairs: 500 training-split FEVER rows and the HotpotQA rows outside the split
-    assert tiers["tried"][0]["keep_fp32"] == "none" and 256 < tiers["pairs"] <= 1000
+    # up to HELDOUT_LIMIT calibration pairs: half training-split FEVER rows, half HotpotQA rows outside the split
+    assert tiers["tried"][0]["keep_fp32"] == "none" and 100 < tiers["pairs"] <= HELDOUT_LIMIT
     rescore = nli["variants"]["int8"]["quantization"]["fp32_rescore"]
     assert rescore["tried"][0]["margin"] == 0.0 and rescore["pairs"] == tiers["pairs"]
     assert nli["variants"]["int8"]["quantization"]["fp32_rescore_margin"] == rescore["tried"][-1]["margin"]
-    assert {k: x["pairs"] for k, x in v["heldout_general"].items()} == {"mnli_dev": 1000, "anli_dev": 1000}
+    assert {k: x["pairs"] for k, x in v["heldout_general"].items()} == {"mnli_dev": HELDOUT_LIMIT,
+                                                                         "anli_dev": HELDOUT_LIMIT}
+    assert v["heldout_fever_pairs"] == HELDOUT_LIMIT and v["heldout_limit"] == HELDOUT_LIMIT
+    assert sum(v["gold_counts"].values()) == HELDOUT_LIMIT and min(v["gold_counts"].values()) > 0   # spread
     assert all(0 <= x["model_int8_accuracy"] <= 1 for x in v["heldout_general"].values())
     r = raw["roles"]["reranker"]["validation"]
     assert {"cross_encoder_int8", "bm25", "minilm_bi_encoder"} <= set(r)
+    assert 0 < r["heldout_hotpotqa_questions"] <= HELDOUT_LIMIT and r["heldout_limit"] == HELDOUT_LIMIT
     assert raw["absent"]["triples"].startswith("no REBEL")
 
 
@@ -224,3 +238,29 @@ def test_cli_export_flags_reach_the_training_settings():
         ["export", "--profile", "offline", "--fever-train-pairs", "500", "--fever-train-titles", "bare"]))
     assert (s.nli_fever_train_pairs, s.nli_fever_titles) == (500, "bare")
     assert s.fever_train().pairs == 500 and "nli_fever_titles" not in s.for_role("nli_general")
+
+
+def test_heldout_limit_spreads_over_each_held_out_set_and_reaches_the_build(monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    from d2r_edge.cli import main
+    from export import build
+    from export.finetune_data import PairSets
+    from export.nli_general import GeneralPairs
+
+    rows = [(f"p{i}", f"h{i}", i // 10) for i in range(30)]          # labels in runs of 10
+    assert build.spread(rows, 6) == [rows[i] for i in (0, 5, 10, 15, 20, 25)]
+    assert build.spread(rows, 100) is rows and build.spread(rows, None) is rows
+    sets = PairSets(nli_train=rows, nli_val=rows, rerank_val=[{"q": i} for i in range(9)],
+                    general=GeneralPairs(heldout={"mnli_dev": rows}))
+    cut = build.limit_heldout(sets, 3)
+    assert [lab for *_, lab in cut.nli_val] == [0, 1, 2] and cut.nli_train is rows
+    assert len(cut.rerank_val) == 3 and len(cut.general.heldout["mnli_dev"]) == 3
+    assert build.limit_heldout(sets, None) is sets
+
+    with pytest.raises(ConfigError, match="--heldout-limit must be >= 1"):
+        build.run_export(build.ExportRequest("tiny", models_dir=tmp_path, heldout_limit=0))
+    seen = []
+    monkeypatch.setattr(build, "run_export", lambda req: seen.append(req) or tmp_path / "manifest.json")
+    assert main(["export", "--profile", "tiny", "--models-dir", str(tmp_path), "--heldout-limit", "50",
+                 "--profiles", str(ROOT / "models" / "profiles.toml")]) == 0
+    assert seen[0].heldout_limit == 50
