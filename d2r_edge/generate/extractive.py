@@ -50,15 +50,24 @@ class Extractive:
         return Generation(response, label, f"extractive: {agg.value} from passage {best + 1}")
 
     def _answer(self, question: str, passages: list[str]) -> Generation:
-        sents = [s for p in passages for s in sentences(p)]
+        # a passage is "title\ntext" (retriever.evidence_text): the answer is a sentence of the
+        # text, scored with its title line as the reranker was trained ("It was completed by ...")
+        sents, scored = [], []
+        for p in passages:
+            title, sep, body = p.partition("\n")
+            if not sep:
+                title, body = "", p
+            for s in sentences(body):
+                sents.append(s)
+                scored.append(f"{title}\n{s}" if title else s)
         if not sents:
             return Generation("", None, "extractive: no passages")
         if self.reranker is not None:
-            scores = self.reranker.score(question, sents)
+            scores = self.reranker.score(question, scored)
         elif self.embedder is not None:
-            v = self.embedder.encode([question] + sents)
+            v = self.embedder.encode([question] + scored)
             scores = v[1:] @ v[0]
         else:
-            scores = np.array([shared_words(s, question) for s in sents])
+            scores = np.array([shared_words(s, question) for s in scored])
         best = int(np.argmax(scores))
         return Generation(sents[best], None, f"extractive: sentence {best + 1} of {len(sents)}")
