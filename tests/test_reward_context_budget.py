@@ -182,6 +182,27 @@ def test_one_sampler_thread_per_meter_ended_when_idle(monkeypatch):
     assert m.result.samples >= 3 and meter._thread is not mine
 
 
+def test_a_parked_sampler_is_woken_not_replaced(monkeypatch):
+    import time
+
+    monkeypatch.setattr(Meter, "linger_s", 0.01)
+    monkeypatch.setattr(Meter, "idle_exit_s", 30.0)
+    meter = Meter(_SetProbe())
+    with meter.measure():
+        pass
+    first = meter._thread
+    deadline = time.monotonic() + 5
+    while not meter._parked and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert meter._parked
+    probe = meter.probe
+    with meter.measure() as m:
+        probe.value = 3 * 2**20
+        time.sleep(0.03)
+        probe.value = 0
+    assert meter._thread is first and m.result.samples >= 3 and m.result.mem_growth_mib == pytest.approx(3.0)
+
+
 class _FakeNVML(types.SimpleNamespace):
     """A stand-in for pynvml: one GPU, memory set by the test."""
 
