@@ -13,6 +13,7 @@ import numpy as np
 from d2r_edge.diagnose import Label, aggregate_nli, shared_words
 from d2r_edge.generate.base import Generation
 from d2r_edge.repair import PromptStyle
+from d2r_edge.retrieval.retriever import split_evidence
 from d2r_edge.signals import Entailment
 from d2r_edge.tasks import Task
 
@@ -54,9 +55,7 @@ class Extractive:
         # text, scored with its title line as the reranker was trained ("It was completed by ...")
         sents, scored = [], []
         for p in passages:
-            title, sep, body = p.partition("\n")
-            if not sep:
-                title, body = "", p
+            title, body = split_evidence(p)
             for s in sentences(body):
                 sents.append(s)
                 scored.append(f"{title}\n{s}" if title else s)

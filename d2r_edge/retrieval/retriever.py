@@ -68,6 +68,12 @@ def evidence_text(p: Passage, titles: bool = True) -> str:
     return f"{p.title}\n{p.text}" if titles and p.title else p.text
 
 
+def split_evidence(evidence: str) -> tuple[str, str]:
+    """`evidence_text`'s inverse for one who gets only the string: (title, text); title "" when none."""
+    title, sep, text = evidence.partition("\n")
+    return (title, text) if sep else ("", evidence)
+
+
 _WORDS = re.compile(r"\S+")
 MAX_TITLE_WORDS = 8
 
