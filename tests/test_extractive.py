@@ -57,3 +57,13 @@ def test_fever_label_from_the_nli_and_the_closest_sentence():
     gen = Extractive(nli).generate(Task.FEVER, PromptStyle.SIMPLE, "Agnes Morrow completed it in 1800.", PASSAGES)
     assert gen.label is Label.REFUTES and gen.response == "It was completed in 1792 by Agnes Morrow."
     assert sentences("A. B!  C?") == ["A.", "B!", "C?"]
+
+
+def test_an_untitled_text_with_line_breaks_keeps_its_first_line():
+    """Passages are untitled with `evidence_titles` off or a document without a title: a first line
+    ending like a sentence is a candidate answer, not a title."""
+    rr = RecordingReranker()
+    gen = Extractive(FixedNLI([[1, 0, 0]]), reranker=rr).generate(
+        Task.QA, PromptStyle.SIMPLE, "Who built it?", ["Agnes Morrow built it.\nIt has five spans."])
+    assert gen.response == "Agnes Morrow built it."
+    assert rr.seen == [["Agnes Morrow built it.", "It has five spans."]]

@@ -69,9 +69,13 @@ def evidence_text(p: Passage, titles: bool = True) -> str:
 
 
 def split_evidence(evidence: str) -> tuple[str, str]:
-    """`evidence_text`'s inverse for one who gets only the string: (title, text); title "" when none."""
+    """`evidence_text`'s inverse for one who gets only the string: (title, text); title "" when none.
+
+    An untitled text may hold line breaks too: a first line that ends like a sentence is text."""
     title, sep, text = evidence.partition("\n")
-    return (title, text) if sep else ("", evidence)
+    if not sep or title.rstrip().endswith((".", "!", "?")):
+        return "", evidence
+    return title, text
 
 
 _WORDS = re.compile(r"\S+")
