@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 from d2r_edge.errors import D2RError, InputError, MissingExtraError
+from d2r_edge.redact import RedactingFilter, redact
 
 log = logging.getLogger("d2r_edge.cli")
 
@@ -31,9 +32,11 @@ def _setup_logging(verbose: bool) -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
                                           "%H:%M:%S"))
     handler.addFilter(_DropThirdPartyNoise())
+    handler.addFilter(RedactingFilter())     # keys never reach the console, whoever logs them
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
+    logging.getLogger("httpx2").setLevel(logging.WARNING)   # one INFO line per generator call otherwise
     for name in ("d2r_edge", "export"):
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.INFO)
 
@@ -573,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    return redact(" ".join(str(exc).split())) or type(exc).__name__
 
 
 if __name__ == "__main__":

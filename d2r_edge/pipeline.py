@@ -10,6 +10,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from d2r_edge import deadline
 from d2r_edge.budget import CostModel, Measurement, Meter
 from d2r_edge.config import Budget, RewardConfig
 from d2r_edge.detector import Detector, Gate, record_signals
@@ -172,7 +173,12 @@ class Pipeline:
         attempted only with an arm whose predicted cost fits in what the first attempt left: the
         cost model's prediction, or for an arm it has not measured yet, the first attempt's own
         time (a repair is one more retrieve-generate-diagnose). Otherwise the first answer stands
-        and `repair_skipped` says why."""
+        and `repair_skipped` says why. Everything the query waits on (the generator's calls, their
+        retries) is cut to the deadline too (`d2r_edge.deadline`)."""
+        with deadline.scope(deadline_s):
+            return self._run_attempts(query, learn, deadline_s)
+
+    def _run_attempts(self, query: str, learn: bool, deadline_s: float | None) -> tuple[dict, Attempt, Attempt]:
         t_start = time.perf_counter()
         q_vec = self.retriever.embed(query)   # once: both attempts and the context vector use it
         embed_s = time.perf_counter() - t_start

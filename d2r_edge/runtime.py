@@ -25,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from d2r_edge import deadline
 from d2r_edge.app import build_pipeline, save_policy
+from d2r_edge.deadline import DeadlineExceeded
 from d2r_edge.diagnose import Diagnosis, Label, shared_words
 from d2r_edge.errors import InputError
 from d2r_edge.pipeline import Pipeline
@@ -150,15 +152,25 @@ class Runtime:
                learn: bool = False, request_id: str | None = None) -> Result:
         """Retrieve, generate, diagnose and (where the diagnosis says so, and the budget and the
         deadline allow) repair. `learn`: Algorithm 2's label-free policy update after a repair.
-        Raises InputError for a bad query and GeneratorError when the generator cannot answer."""
+        Raises InputError for a bad query, GeneratorError when the generator cannot answer, and
+        DeadlineExceeded when `deadline_s` passes before a slot frees; the generator's calls and
+        retries never wait past the deadline (a hung generator raises GeneratorError, timed_out)."""
         query = check_query(query, "claim" if self.task.fact_verification else "question")
         task = self._task(task)
         if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
                                        or not deadline_s > 0):
             raise InputError(f"deadline_s must be a number > 0, got {deadline_s!r}")
         rid = request_id or uuid.uuid4().hex
-        with self._slots:
-            rec, first, final = self.pipeline.run_attempts(query, learn, deadline_s)
+        with deadline.scope(deadline_s):      # from here: the wait for a slot counts against it
+            if not self._slots.acquire(timeout=max(0.0, deadline.remaining_s() or 0.0) if deadline_s else None):
+                raise DeadlineExceeded(f"the deadline ({deadline_s:.3f} s) passed while the query waited for "
+                                       f"an answering slot (parallel_requests={self.settings.parallel_requests})"
+                                       f"; give a longer deadline or raise parallel_requests")
+            try:
+                left_s = deadline.remaining_s()
+                rec, first, final = self.pipeline.run_attempts(query, learn, left_s)
+            finally:
+                self._slots.release()
         record = {"id": rid, "request_id": rid, "epoch": None, "query": query, "gold_label": None,
                   "gold_answer": None, "task": task.value, **rec, "first_correct": None,
                   "final_correct": None, "error": None}

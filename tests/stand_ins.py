@@ -77,40 +77,86 @@ def fever_world(tmp: Path, models: Path, shared_data: Path, n_docs: int, n_queri
 
 
 class ScriptedServer:
-    """An OpenAI-compatible stand-in on loopback: answers POSTs from `replies` ((status, body) pairs,
-    body a dict or raw text) in order and keeps each request's JSON in `seen`. Use as a context manager."""
+    """An OpenAI-compatible stand-in on loopback (HTTP/1.1, keep-alive): answers POSTs from `replies`
+    in order - (status, body) or (status, body, headers); body a dict, raw text, or a function of the
+    request's headers returning either - and keeps each request's JSON in `seen`, its headers in
+    `seen_headers`, its arrival (time.monotonic) in `seen_at`; `connections` counts TCP connections.
+    Use as a context manager."""
 
     def __init__(self) -> None:
-        self.replies: list[tuple[int, object]] = []
+        self.replies: list[tuple] = []
         self.seen: list[dict] = []
+        self.seen_headers: list[dict] = []
+        self.seen_at: list[float] = []
+        self.connections = 0
 
     def __enter__(self) -> "ScriptedServer":
         import http.server
         import json
         import threading
+        import time
 
         outer = self
 
         class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, *a):
                 pass
 
+            def setup(self):
+                outer.connections += 1
+                super().setup()
+
             def do_POST(self):
+                outer.seen_at.append(time.monotonic())
                 outer.seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                code, body = outer.replies.pop(0)
+                outer.seen_headers.append(dict(self.headers))
+                code, body, *rest = outer.replies.pop(0)
+                if callable(body):
+                    body = body(self.headers)
                 data = (body if isinstance(body, str) else json.dumps(body)).encode()
                 self.send_response(code)
+                for name, value in (rest[0] if rest else {}).items():
+                    self.send_header(name, value)
+                self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
 
         self._srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self._srv.daemon_threads = True
         threading.Thread(target=self._srv.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self._srv.server_port}/v1"
         return self
 
     def __exit__(self, *exc) -> None:
         self._srv.shutdown()
+        self._srv.server_close()
+
+
+def quoting_the_key(headers) -> dict:
+    """A provider's 401 body: it quotes back the key it was sent (as real ones do)."""
+    key = (headers.get("Authorization") or "").removeprefix("Bearer ")
+    return {"error": {"message": f"Incorrect API key provided: {key}. You can find your API key at "
+                                 f"https://example.invalid/keys", "type": "invalid_request_error",
+                      "code": "invalid_api_key"}}
+
+
+class HangingServer:
+    """A loopback port that accepts connections and never answers (a hung upstream)."""
+
+    def __enter__(self) -> "HangingServer":
+        import socket
+
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}/v1"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._sock.close()
 
 
 def search_longer(test_file: str, examples: int, *extra_args: str, **env: str) -> None:

@@ -144,7 +144,7 @@ def test_onnx_runtime_and_http_protocol_errors_become_d2r_errors(tiny_models):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         client = OpenAICompatible(f"http://127.0.0.1:{srv.server_port}/v1", "m", max_retries=1, backoff_s=0.01)
-        with pytest.raises(GeneratorError, match="IncompleteRead"):
+        with pytest.raises(GeneratorError, match="connection broke .RemoteProtocolError"):
             client.complete([{"role": "user", "content": "hi"}])
     finally:
         srv.shutdown()
@@ -196,7 +196,7 @@ def test_json_mode_survives_an_unrelated_400_and_is_part_of_the_cache_key(tmp_pa
         replies, seen = srv.replies, srv.seen
         client = OpenAICompatible(srv.url, "m", max_retries=0)
         replies.append((400, '{"error": "the request exceeds the available context size"}'))
-        with pytest.raises(GeneratorError, match="context size"):
+        with pytest.raises(GeneratorError, match="HTTP 400 Bad Request"):    # the body goes to the log only
             client.complete([{"role": "user", "content": "x" * 100}])
         assert client.json_mode is True                      # one long prompt changes nothing after it
         replies.append((200, ok))

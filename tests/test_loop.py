@@ -183,7 +183,7 @@ def test_generator_failures_are_recorded_and_the_run_goes_on(world, tiny_models,
             assert _Handler.calls == 6   # 3 queries x (1 try + 1 retry)
     p.generator = OpenAICompatible("http://127.0.0.1:9/v1", "m", timeout_s=0.5, max_retries=0)
     log = process(p, queries, tmp_path / "down.jsonl", learn=False)
-    assert all("failed after 1 attempt" in r["error"] for r in log.records)
+    assert all("could not connect (ConnectError) (attempt 1 of 1)" in r["error"] for r in log.records), log.records
 
 
 def test_broken_query_lines_are_reported(tmp_path, caplog):

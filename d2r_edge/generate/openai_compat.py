@@ -1,37 +1,96 @@
-"""Chat completions over HTTP: vLLM, llama.cpp's server, Ollama, OpenAI. Standard library only."""
+"""Chat completions over HTTP: vLLM, llama.cpp's server, Ollama, OpenAI.
+
+On httpx2 (the HTTP client the `openai` SDK uses): one pooled keep-alive connection per server,
+a timeout per call. Every call waits at most min(`timeout_s`, what the query's deadline leaves);
+a retry (429, 5xx, 408, timeouts, broken connections, unreadable bodies) starts only when its
+wait - `Retry-After` where the server sends one, else exponential backoff - ends before the
+deadline. Other 4xx answers are final at once.
+
+An upstream's body is untrusted text: it never enters an error message (which reaches clients,
+records and the console); a redacted one-line excerpt goes to the log at WARNING.
+"""
 
 from __future__ import annotations
 
-import http.client
+import email.utils
+import http
 import json
 import logging
 import math
 import os
 import random
-import socket
+import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+import httpx2 as httpx
+
+from d2r_edge import deadline
 from d2r_edge.errors import ConfigError, D2RError
 from d2r_edge.generate.base import Generation, parse_output
+from d2r_edge.redact import excerpt, register_secret, safe_url
 from d2r_edge.repair import PromptStyle
 from d2r_edge.tasks import Task, build_prompt
 
 log = logging.getLogger(__name__)
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+MAX_BODY_BYTES = 16 << 20        # a completion larger than this is a broken server, not an answer
+MIN_ATTEMPT_S = 0.05             # a retry that would get less than this before the deadline does not start
+CONNECT_TIMEOUT_S = 10.0
 
 
 class GeneratorError(D2RError):
-    """The generator could not produce an answer (down, timing out, HTTP errors).
-    `timed_out`: the last attempt ran past the timeout (the server answers 504 for it, else 502)."""
+    """The generator could not produce an answer (down, timing out, HTTP errors). The message is
+    ours alone: the URL (no credentials), the upstream's HTTP status, the attempts made - never the
+    upstream's body. `timed_out`: the last attempt ran past its timeout or the deadline (the server
+    answers 504 for it, else 502); `status`: the upstream's last HTTP status, None if it gave none."""
 
     exit_code = 11
 
-    def __init__(self, message: str, timed_out: bool = False) -> None:
+    def __init__(self, message: str, timed_out: bool = False, status: int | None = None,
+                 attempts: int = 0) -> None:
         super().__init__(message)
-        self.timed_out = timed_out
+        self.timed_out, self.status, self.attempts = timed_out, status, attempts
+
+
+def status_text(code: int) -> str:
+    try:
+        return f"HTTP {code} {http.HTTPStatus(code).phrase}"
+    except ValueError:
+        return f"HTTP {code}"
+
+
+def retry_after_s(value: str | None, now: float | None = None) -> float | None:
+    """A `Retry-After` header in seconds (delta-seconds or an HTTP date); None if absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None or when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+@dataclass
+class _Failure:
+    """One failed attempt: what the message says, whether it may be retried and after how long."""
+
+    reason: str
+    retry: bool
+    timed_out: bool = False
+    status: int | None = None
+    wait_s: float | None = None      # the server's Retry-After
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, failure: _Failure) -> None:
+        super().__init__(failure.reason)
+        self.failure = failure
 
 
 @dataclass
@@ -39,7 +98,7 @@ class OpenAICompatible:
     base_url: str
     model: str
     api_key_env: str | None = "OPENAI_API_KEY"
-    timeout_s: float = 60.0
+    timeout_s: float = 60.0          # one call's limit; a query's deadline may cut it shorter
     max_retries: int = 3
     max_tokens: int = 256
     temperature: float = 0.0
@@ -47,53 +106,130 @@ class OpenAICompatible:
     logprobs: bool = True      # ask for token log-probabilities (the failure detector's confidence
                                # signal); dropped if the server rejects the parameter
     backoff_s: float = 0.5
+    max_retry_after_s: float = 30.0   # a server asking to wait longer than this is not retried
     name: str = "openai"
+    _client: httpx.Client | None = field(default=None, init=False, repr=False, compare=False)
+    _client_pid: int = field(default=0, init=False, repr=False, compare=False)
+    _client_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
-            raise ConfigError(f"base_url must start with http:// or https://, got {self.base_url!r}")
-        if self.timeout_s <= 0 or self.max_retries < 0:
-            raise ConfigError("timeout_s must be > 0 and max_retries >= 0")
+            raise ConfigError(f"base_url must start with http:// or https://, got {safe_url(self.base_url)!r}")
+        if not self.timeout_s > 0 or self.max_retries < 0 or self.backoff_s < 0 or self.max_retry_after_s < 0:
+            raise ConfigError("timeout_s must be > 0; max_retries, backoff_s and max_retry_after_s >= 0")
+
+    @property
+    def where(self) -> str:
+        """The server as messages name it: no credentials, no query string."""
+        return safe_url(self.base_url)
 
     def _headers(self) -> dict:
         headers = {"Content-Type": "application/json"}
         key = os.environ.get(self.api_key_env) if self.api_key_env else None
         if key:
+            register_secret(key)                         # masked in any log line that quotes it back
             headers["Authorization"] = f"Bearer {key}"   # never logged
         return headers
+
+    def _http(self) -> httpx.Client:
+        """One pooled client per process (a forked worker makes its own), shared by threads."""
+        with self._client_lock:
+            if self._client is None or self._client_pid != os.getpid():
+                self._client = httpx.Client(follow_redirects=False, limits=httpx.Limits(
+                    max_connections=32, max_keepalive_connections=8, keepalive_expiry=30.0))
+                self._client_pid = os.getpid()
+            return self._client
+
+    def close(self) -> None:
+        with self._client_lock:
+            if self._client is not None and self._client_pid == os.getpid():
+                self._client.close()
+            self._client = None
+
+    def _attempt(self, url: str, data: bytes, payload: dict, timeout_s: float) -> dict:
+        """One POST within `timeout_s` (connect, send, headers and the whole body); the parsed
+        JSON, or _AttemptFailed / _Rejected* (control flow for the JSON-mode and logprobs fallbacks)."""
+        ends_at = time.monotonic() + timeout_s
+        limit = httpx.Timeout(timeout_s, connect=min(CONNECT_TIMEOUT_S, timeout_s))
+        try:
+            with self._http().stream("POST", url, content=data, headers=self._headers(), timeout=limit) as resp:
+                status, retry_after = resp.status_code, resp.headers.get("retry-after")
+                raw = bytearray()
+                for chunk in resp.iter_bytes():
+                    raw += chunk
+                    if len(raw) > MAX_BODY_BYTES:
+                        raise _AttemptFailed(_Failure(f"a body over {MAX_BODY_BYTES >> 20} MiB", retry=False))
+                    if time.monotonic() > ends_at:     # a server that trickles bytes past the limit
+                        raise httpx.ReadTimeout("body not complete in time")
+        except httpx.TimeoutException:
+            raise _AttemptFailed(_Failure(f"no complete answer within {timeout_s:.2f} s", retry=True,
+                                          timed_out=True)) from None
+        except httpx.TransportError as exc:    # refused, reset, broken HTTP (the text may quote the server)
+            log.info("generator at %s: %s: %s", self.where, type(exc).__name__, excerpt(str(exc), 200))
+            what = "could not connect" if isinstance(exc, httpx.ConnectError) else "the connection broke"
+            raise _AttemptFailed(_Failure(f"{what} ({type(exc).__name__})", retry=True)) from None
+        text = raw.decode("utf-8", "replace")
+        if status >= 300:
+            if status == 400 and "response_format" in payload and rejects_json_mode(text):
+                raise _RejectedJSONMode()
+            if status == 400 and payload.get("logprobs") and "logprob" in text.lower():
+                raise _RejectedLogprobs()
+            log.warning("generator at %s answered %s: %s", self.where, status_text(status), excerpt(text))
+            raise _AttemptFailed(_Failure(f"upstream answered {status_text(status)}", retry=status in RETRY_STATUS,
+                                          status=status, wait_s=retry_after_s(retry_after)))
+        try:
+            return json.loads(bytes(raw).decode("utf-8"))
+        except UnicodeDecodeError:
+            reason = "a body that is not UTF-8"
+        except json.JSONDecodeError as exc:
+            reason = f"a body that is not JSON ({exc.msg})"
+        log.warning("generator at %s answered %s with %s: %s", self.where, status_text(status), reason,
+                    excerpt(text))
+        raise _AttemptFailed(_Failure(f"upstream answered {reason}", retry=True, status=status))
 
     def _post(self, payload: dict) -> dict:
         url = self.base_url.rstrip("/") + "/chat/completions"
         data = json.dumps(payload).encode("utf-8")
-        last, timed_out = "no attempt", False
-        for attempt in range(self.max_retries + 1):
-            timed_out = False
-            req = urllib.request.Request(url, data=data, headers=self._headers(), method="POST")
+        attempts, failure, stop = 0, None, ""
+        while True:
+            timeout_s = deadline.bounded(self.timeout_s)
+            if timeout_s < MIN_ATTEMPT_S:     # only a deadline gets here
+                if failure is None:
+                    raise GeneratorError(f"generator at {self.where}: the request's deadline passed before it "
+                                         f"could be called", timed_out=True)
+                stop = "the request's deadline leaves no time for another attempt"
+                break
+            attempts += 1
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    return json.loads(resp.read().decode("utf-8"))
-            except urllib.error.HTTPError as exc:
-                body = exc.read().decode("utf-8", "replace")[:300]
-                if exc.code == 400 and "response_format" in payload and rejects_json_mode(body):
-                    raise _RejectedJSONMode(body) from None
-                if exc.code == 400 and payload.get("logprobs") and "logprob" in body.lower():
-                    raise _RejectedLogprobs(body) from None
-                last = f"HTTP {exc.code}: {body}"
-                if exc.code not in RETRY_STATUS:
+                return self._attempt(url, data, payload, timeout_s)
+            except _AttemptFailed as exc:
+                failure = exc.failure
+            if failure.timed_out and timeout_s < self.timeout_s:
+                failure = replace(failure, reason=failure.reason + " (the request's deadline)")
+            if not failure.retry:
+                if failure.status is not None and 400 <= failure.status < 500:
+                    stop = "not retried: a client error (check the model name, the key and the URL)"
+                else:
+                    stop = "not retried"
+                break
+            if attempts > self.max_retries:
+                break
+            wait_s = self.backoff_s * (2 ** (attempts - 1)) * (1 + random.random() * 0.1)
+            if failure.wait_s is not None:
+                if failure.wait_s > self.max_retry_after_s:
+                    stop = f"not retried: the server asked to wait {failure.wait_s:.0f} s"
                     break
-            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError,
-                    http.client.HTTPException) as exc:     # HTTPException: IncompleteRead, BadStatusLine, ...
-                reason = getattr(exc, "reason", exc)
-                last = f"{type(exc).__name__}: {reason}"
-                timed_out = isinstance(exc, TimeoutError) or isinstance(reason, TimeoutError)
-            except json.JSONDecodeError as exc:
-                last = f"invalid JSON body ({exc.msg})"
-            except UnicodeDecodeError:
-                last = "a body that is not UTF-8"
-            if attempt < self.max_retries:
-                time.sleep(self.backoff_s * (2 ** attempt) * (1 + random.random() * 0.1))
-        raise GeneratorError(f"generator at {self.base_url} failed after {self.max_retries + 1} "
-                             f"attempt(s): {last}", timed_out=timed_out)
+                wait_s = failure.wait_s
+            left_s = deadline.remaining_s()
+            if left_s is not None and left_s - wait_s < MIN_ATTEMPT_S:
+                stop = (f"not retried: the request's deadline leaves {max(left_s, 0.0):.2f} s, the retry waits "
+                        f"{wait_s:.2f} s first")
+                break
+            time.sleep(wait_s)
+        detail = f"; {stop}" if stop else ""
+        raise GeneratorError(f"generator at {self.where}: {failure.reason} (attempt {attempts} of "
+                             f"{self.max_retries + 1}){detail}", timed_out=failure.timed_out,
+                             status=failure.status, attempts=attempts)
 
     def complete(self, messages: list[dict], max_tokens: int | None = None, stop: list[str] | None = None,
                  json_mode: bool | None = None) -> "ChatResult":
@@ -126,7 +262,9 @@ class OpenAICompatible:
         try:
             text = body["choices"][0]["message"]["content"] or ""
         except (KeyError, IndexError, TypeError):
-            raise GeneratorError(f"generator at {self.base_url} returned no choices: {str(body)[:200]}") from None
+            log.warning("generator at %s answered without choices: %s", self.where, excerpt(str(body)))
+            raise GeneratorError(f"generator at {self.where}: upstream answered with no choices[0].message.content",
+                                 attempts=1) from None
         usage = body.get("usage") or {}
         return ChatResult(text, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
                           time.perf_counter() - t0, token_logprobs(body["choices"][0]))

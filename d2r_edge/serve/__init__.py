@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import signal
 import socket
 
 from d2r_edge.errors import MissingExtraError
@@ -58,4 +59,16 @@ def serve(settings, config, host: str = "127.0.0.1", port: int = 8000) -> None:
     log.info("d2r-edge serving task %s on http://%s:%d (OpenAI API at /v1)", settings.task.value, host,
              sock.getsockname()[1])
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=30))
-    server.run(sockets=[sock])
+    # uvicorn drains on SIGINT/SIGTERM, then raises the signal again for the handler it found: with
+    # the default one the process would die by the signal (-15), which a supervisor reads as a crash.
+    # Found handlers that only note it make a clean drain return here, and the CLI exit 0.
+    def noted(sig: int, frame) -> None:     # also a signal before uvicorn took over: stop, not ignore
+        server.should_exit = True
+        log.info("stopped by %s after draining in-flight requests", signal.Signals(sig).name)
+
+    found = {sig: signal.signal(sig, noted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in found.items():
+            signal.signal(sig, handler)

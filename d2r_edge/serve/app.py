@@ -28,10 +28,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import d2r_edge.serve.openai_api as api
+from d2r_edge.deadline import DeadlineExceeded
 from d2r_edge.errors import ConfigError, D2RError, InputError
 from d2r_edge.generate.openai_compat import GeneratorError
 from d2r_edge.jsonl import loads as json_loads
 from d2r_edge.onnx.sharing import MicroBatcher
+from d2r_edge.redact import redact, register_secret
 from d2r_edge.runner import RecordLog, run_record_ok
 from d2r_edge.runtime import Result, Runtime
 from d2r_edge.serve.metrics import Metrics
@@ -66,19 +68,23 @@ class ServeConfig:
                               f"export it with the key clients must send, or leave the flag out (no auth)")
 
     def api_key(self) -> str | None:
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        register_secret(key)       # masked in any log line or error text that would quote it
+        return key
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 headers: dict | None = None) -> None:
+                 headers: dict | None = None, extra: dict | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.headers = status, message, kind, code, headers
+        self.extra = extra or {}
 
 
 def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(api.error_body(err.message, err.kind, err.code), status_code=err.status,
-                        headers=err.headers)
+    body = api.error_body(redact(err.message), err.kind, err.code)
+    body["error"].update(err.extra)
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 class Server:
@@ -195,9 +201,12 @@ def _deadline_s(request: Request) -> float | None:
 
 
 def _upstream_error(exc: GeneratorError) -> ApiError:
+    """502/504 naming the upstream's URL and HTTP status: GeneratorError's message is built from
+    those alone (never the upstream's body, which the client log keeps redacted)."""
+    extra = {"upstream_status": exc.status, "upstream_attempts": exc.attempts}
     if exc.timed_out:
-        return ApiError(504, f"the generator timed out: {exc}", "upstream_error", "upstream_timeout")
-    return ApiError(502, f"the generator failed: {exc}", "upstream_error", "upstream_error")
+        return ApiError(504, f"the generator timed out: {exc}", "upstream_error", "upstream_timeout", extra=extra)
+    return ApiError(502, f"the generator failed: {exc}", "upstream_error", "upstream_error", extra=extra)
 
 
 def create_app(runtime: Runtime, config: ServeConfig = ServeConfig()) -> Starlette:
@@ -227,6 +236,9 @@ def create_app(runtime: Runtime, config: ServeConfig = ServeConfig()) -> Starlet
                     err = _upstream_error(exc)
                     status = err.status
                     return _error_response(err)
+                except DeadlineExceeded as exc:
+                    status = 504
+                    return _error_response(ApiError(504, str(exc), "server_error", "deadline_exceeded"))
                 except D2RError as exc:
                     log.error("%s failed: %s: %s", name, type(exc).__name__, exc)
                     return _error_response(ApiError(500, f"{type(exc).__name__}: {exc}", "server_error",
