@@ -262,13 +262,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     if settings.gate.value == "calibrated" and settings.detector_path is None:
         raise InputError("--gate calibrated needs a fitted detector: give --detector FILE, or --policy P.npz "
                          "trained with `d2r-edge train --gate calibrated` (it writes P.detector.json)")
+    deadline_s = None
+    if args.deadline_ms is not None:
+        if not 0 < args.deadline_ms < 86_400_000:
+            raise InputError(f"--deadline-ms must be milliseconds > 0, got {args.deadline_ms}")
+        deadline_s = args.deadline_ms / 1000.0
     if args.engine == "ray":
+        if deadline_s is not None:
+            raise InputError("--deadline-ms is not supported with --engine ray yet; run with --engine local")
         from d2r_edge.engine.ray_run import run_queries
 
         rlog = run_queries(settings, queries, Path(args.out), _ray_config(args))
         print(summary(rlog.records))
         return 0
-    process(Runtime(settings).pipeline, queries, Path(args.out), learn=False, keep=False)
+    process(Runtime(settings).pipeline, queries, Path(args.out), learn=False, keep=False, deadline_s=deadline_s)
     print(summary_of(Path(args.out)))
     return 0
 
@@ -508,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="answer queries with diagnose-and-repair; one JSON record per query")
     _run_args(p)
+    p.add_argument("--deadline-ms", type=float, default=None,
+                   help="each query's wall-clock limit: generator calls and their retries are cut to it, a "
+                        "repair runs only if predicted to fit (as serve's X-D2R-Deadline-Ms)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible endpoint that answers, verifies and repairs "

@@ -244,15 +244,16 @@ def correct(task: Task, q: dict, answer: str) -> bool | None:
     return exact_match(answer, [str(q["answer"])]) == 1.0
 
 
-def answer_query(pipeline, q: Query, learn: bool, epoch: int | None = None) -> dict:
+def answer_query(pipeline, q: Query, learn: bool, epoch: int | None = None, deadline_s: float | None = None) -> dict:
     """One query's record; a per-query failure (generator down, ...) is recorded, not raised.
 
     A failure in the repair pass keeps the first answer as final (`repair_error` says what
-    failed; Pipeline.run); only a failure before any answer leaves `error`, which a rerun retries."""
+    failed; Pipeline.run); only a failure before any answer leaves `error`, which a rerun retries.
+    `deadline_s`: each query's wall-clock limit, generator calls and retries included."""
     rec = {"id": q.id, "epoch": epoch, "query": q.text, "gold_label": q.label,
            "gold_answer": q.answer, "task": pipeline.task.value}
     try:
-        rec.update(pipeline.run(q.text, learn))
+        rec.update(pipeline.run(q.text, learn, deadline_s))
         gold = {"label": q.label, "answer": q.answer}
         rec["first_correct"] = correct(pipeline.task, gold, rec["first_answer"])
         rec["final_correct"] = correct(pipeline.task, gold, rec["final_answer"])
@@ -264,7 +265,7 @@ def answer_query(pipeline, q: Query, learn: bool, epoch: int | None = None) -> d
 
 
 def process(pipeline, queries: list[Query], out: Path, learn: bool, epoch: int | None = None,
-            on_update=None, keep: bool = True) -> RecordLog:
+            on_update=None, keep: bool = True, deadline_s: float | None = None) -> RecordLog:
     """Run queries not yet in `out`; errors are recorded per query and the run goes on.
 
     `keep=False`: no record stays in memory (`run` over a long query stream: memory does not grow
@@ -283,7 +284,7 @@ def process(pipeline, queries: list[Query], out: Path, learn: bool, epoch: int |
     todo = [q for q in queries if (epoch, q.id) not in done]
     try:
         for q in tqdm(todo, desc="queries" if epoch is None else f"epoch {epoch}", disable=None):
-            rec = answer_query(pipeline, q, learn, epoch)
+            rec = answer_query(pipeline, q, learn, epoch, deadline_s)
             rlog.append(rec)
             if on_update is not None and rec.get("repair") and learn:
                 on_update(rec)

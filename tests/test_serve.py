@@ -150,6 +150,12 @@ def test_other_bad_requests(live, path, method, body, headers, status):
     assert got == status and err["error"]["message"] and "Traceback" not in err["error"]["message"]
 
 
+def test_a_body_is_read_as_json_whatever_its_content_type(live):
+    for ctype in ("text/plain", "application/x-www-form-urlencoded"):     # what `curl -d` sends
+        status, _, body = call(live.url, "/v1/chat/completions", ask(demo_questions()[0]), {"Content-Type": ctype})
+        assert status == 200 and body["choices"][0]["message"]["content"]
+
+
 def test_deadline_header_reaches_the_repair_decision(live, runtime):
     repaired = [q for q in demo_questions() if runtime.answer(q).repaired]
     assert repaired
