@@ -100,6 +100,7 @@ class ScriptedServer:
 
         class H(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True     # headers and body are two writes: no delayed-ACK wait
 
             def log_message(self, *a):
                 pass
@@ -221,7 +222,9 @@ class Live:
         import uvicorn
 
         self.app = app
-        self.sock = socket.socket()
+        # proto IPPROTO_TCP, as serve's own socket: asyncio sets TCP_NODELAY only on such sockets, and a
+        # keep-alive client then waits out a delayed ACK (~40 ms) per response
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on"))

@@ -156,6 +156,31 @@ def test_a_body_is_read_as_json_whatever_its_content_type(live):
         assert status == 200 and body["choices"][0]["message"]["content"]
 
 
+def test_keep_alive_connections_get_tcp_nodelay():
+    """asyncio sets TCP_NODELAY only on connections of a socket made with proto IPPROTO_TCP; without it a
+    keep-alive client waited ~40 ms (a delayed ACK) for every response body."""
+    import asyncio
+
+    from d2r_edge.serve import listening_socket
+
+    sock = listening_socket("127.0.0.1", 0)
+    sock.listen(1)
+    seen = []
+
+    async def main():
+        server = await asyncio.start_server(lambda r, w: seen.append(
+            w.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)), sock=sock)
+        with socket.create_connection(sock.getsockname()):
+            for _ in range(100):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+        server.close()
+
+    asyncio.run(main())
+    assert seen and seen[0] != 0
+
+
 def test_deadline_header_reaches_the_repair_decision(live, runtime):
     repaired = [q for q in demo_questions() if runtime.answer(q).repaired]
     assert repaired
