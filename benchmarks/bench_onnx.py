@@ -40,7 +40,7 @@ def diagnosis_pairs() -> list[tuple[str, str]]:
 
 
 def _export(profile: str, random_init: str | None = None) -> Path:
-    from export.build import ExportRequest, run_export
+    from d2r_edge_export.build import ExportRequest, run_export
 
     warnings.filterwarnings("ignore")
     logging.getLogger("optimum").setLevel(logging.ERROR)

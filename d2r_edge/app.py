@@ -230,8 +230,7 @@ def fit_detector_on_queries(pipeline: Pipeline, queries, path: Path) -> Detector
     """The calibrated detector fitted on the first attempts of the labeled `queries` (FEVER labels, QA
     gold answers; unlabeled ones are skipped) and saved to `path`. The first attempts are computed
     here and again when the policy trains (they are not kept: a refresh arm changes the KB)."""
-    from d2r_edge.detector import feature_matrix, feature_names
-    from d2r_edge.eval.detection import first_answer
+    from d2r_edge.detector import feature_matrix, feature_names, first_answer
     from d2r_edge.runner import correct
 
     fv = pipeline.task.fact_verification

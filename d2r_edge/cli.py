@@ -37,7 +37,7 @@ def _setup_logging(verbose: bool) -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
     logging.getLogger("httpx2").setLevel(logging.WARNING)   # one INFO line per generator call otherwise
-    for name in ("d2r_edge", "export"):
+    for name in ("d2r_edge", "d2r_edge_export"):
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
@@ -56,9 +56,9 @@ def _import_export():
             found = False
         if not found:
             raise MissingExtraError("export", name, EXPORT_PIP)
-    import export.build
+    import d2r_edge_export.build
 
-    return export.build
+    return d2r_edge_export.build
 
 
 def _finetune_settings(args: argparse.Namespace, preset: str = "full"):
@@ -66,7 +66,7 @@ def _finetune_settings(args: argparse.Namespace, preset: str = "full"):
     from dataclasses import replace
 
     from d2r_edge.errors import ConfigError
-    from export.finetune import FINETUNE_PRESETS
+    from d2r_edge_export.finetune import FINETUNE_PRESETS
 
     if preset not in FINETUNE_PRESETS:
         raise ConfigError(f"unknown finetune preset {preset!r} in the profile; known: {', '.join(FINETUNE_PRESETS)}")

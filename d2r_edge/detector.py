@@ -42,8 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from d2r_edge.answers import FEVER_CLASSES, normalize_answer
 from d2r_edge.errors import ConfigError
-from d2r_edge.eval.metrics import FEVER_CLASSES, normalize_answer
 from d2r_edge.signals import KGStatus
 
 FORMAT = "d2r-edge-detector/2"
@@ -246,3 +246,11 @@ class Detector:
             raise ConfigError(f"{path} holds weights of the wrong shape or non-finite values; {REFIT}")
         return cls(want, str(raw.get("task")), arrays["mean"], arrays["scale"], arrays["weights"],
                    float(raw["bias"]), float(raw["threshold"]), dict(raw.get("fit") or {}), arrays["impute"])
+
+
+def first_answer(fact_verification: bool, attempt) -> str:
+    """The generator's answer before the UNVERIFIED gate."""
+    if fact_verification:
+        label = attempt.generation.label
+        return label.value if label is not None else "NOT ENOUGH INFO"
+    return attempt.generation.response

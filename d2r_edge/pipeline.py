@@ -10,7 +10,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from d2r_edge import deadline
+import d2r_edge.deadline as deadline
 from d2r_edge.budget import CostModel, Measurement, Meter
 from d2r_edge.config import Budget, RewardConfig
 from d2r_edge.detector import Detector, Gate, record_signals

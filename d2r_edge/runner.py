@@ -235,7 +235,7 @@ def _fsync_dir(directory: Path) -> None:
 
 def correct(task: Task, q: dict, answer: str) -> bool | None:
     """FEVER: 3-way label match (UNVERIFIED counts as NOT ENOUGH INFO); QA: SQuAD exact match."""
-    from d2r_edge.eval.metrics import exact_match, fever_label
+    from d2r_edge.answers import exact_match, fever_label
 
     if task.fact_verification:
         return fever_label(answer) == fever_label(q["label"]) if q.get("label") else None
@@ -357,7 +357,7 @@ def summary(records: list[dict]) -> str:
 
 def _containment(ok: list[dict]) -> list[str]:
     """QA: how often the answer holds the gold answer (sentence answers have EM 0 by construction)."""
-    from d2r_edge.eval.metrics import contains_answer
+    from d2r_edge.answers import contains_answer
 
     qa = [r for r in ok if r.get("task") == Task.QA.value and r.get("gold_answer")]
     if not qa:

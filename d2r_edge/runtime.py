@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from d2r_edge import deadline
+import d2r_edge.deadline as deadline
 from d2r_edge.app import build_pipeline, save_policy
 from d2r_edge.deadline import DeadlineExceeded
 from d2r_edge.diagnose import Diagnosis, Label, shared_words

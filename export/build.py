@@ -28,10 +28,10 @@ from d2r_edge.onnx.manifest import (
     load_manifest,
     sha256_file,
 )
-from export import convert, parity
-from export.parity_data import load_parity_set
-from export.sources import ResolvedSource, resolve
-from export.specs import SPECS, RoleSpec, spec_for
+from d2r_edge_export import convert, parity
+from d2r_edge_export.parity_data import load_parity_set
+from d2r_edge_export.sources import ResolvedSource, resolve
+from d2r_edge_export.specs import SPECS, RoleSpec, spec_for
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,7 @@ def run_export(req: ExportRequest) -> Path:
     if req.heldout_limit is not None and req.heldout_limit < 1:
         raise ConfigError(f"--heldout-limit must be >= 1, got {req.heldout_limit}")
     if req.random_init:  # one real-size random model; the profile name only names the output
-        from export.tiny import RANDOM_MODELS
+        from d2r_edge_export.tiny import RANDOM_MODELS
 
         if req.random_init not in RANDOM_MODELS:
             raise ConfigError(f"unknown --random-init {req.random_init!r}; known: "
@@ -348,8 +348,8 @@ def run_export(req: ExportRequest) -> Path:
         log.info("parity %s: %s (%.1f s)", role.value, json.dumps(figs), time.perf_counter() - t0)
     for role, src in resolved.items():
         if src.training is not None:
-            from export import finetune_eval
-            from export.finetune_data import build_pairs
+            from d2r_edge_export import finetune_eval
+            from d2r_edge_export.finetune_data import build_pairs
 
             ts = src.training["settings"]   # the held-out sets depend on neither
             general = ts.get("nli_general_sources") if role is Role.NLI and ts.get("nli_general_epochs") else None

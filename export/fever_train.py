@@ -33,8 +33,7 @@ from pathlib import Path
 
 from d2r_edge.errors import ExportError
 from d2r_edge.retrieval.bm25 import BM25Index
-from export.finetune_data import CON, ENT, NEU
-from export.nli_general import dedupe_key
+from d2r_edge_export.nli_general import CON, ENT, NEU, dedupe_key
 
 TITLE_MODES = ("bare", "subject", "drop")
 FILE = "fever_train/train.jsonl.gz"

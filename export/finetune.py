@@ -20,8 +20,9 @@ import numpy as np
 
 from d2r_edge.errors import ExportError
 from d2r_edge.onnx.manifest import sha256_file
-from export.fever_train import FILE as FEVER_TRAIN_FILE
-from export.finetune_data import ID2LABEL, FeverTrainSpec, PairSets, build_pairs, missing_files
+from d2r_edge_export.fever_train import FILE as FEVER_TRAIN_FILE
+from d2r_edge_export.finetune_data import FeverTrainSpec, PairSets, build_pairs, missing_files
+from d2r_edge_export.nli_general import ID2LABEL
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class FinetuneSettings:
         if self.nli_init not in ("base", "reranker") or self.rerank_init not in ("base", "nli"):
             raise ExportError(f"nli_init must be base or reranker and rerank_init base or nli, "
                               f"got {self.nli_init!r} / {self.rerank_init!r}")
-        from export.fever_train import TITLE_MODES
+        from d2r_edge_export.fever_train import TITLE_MODES
 
         if (self.nli_fever_titles not in TITLE_MODES or self.nli_fever_train_pairs < 0
                 or self.nli_fever_max_sentences < 1):

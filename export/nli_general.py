@@ -26,7 +26,9 @@ from d2r_edge.errors import ExportError
 from d2r_edge.eval.split import normalize_text
 
 GENERAL_FILE = "nli/train.jsonl.gz"
-LABELS = {"entailment": 0, "neutral": 1, "contradiction": 2}      # = export.finetune_data.ID2LABEL
+ENT, NEU, CON = 0, 1, 2           # id2label of the offline NLI model (every pair builder uses these)
+ID2LABEL = {ENT: "entailment", NEU: "neutral", CON: "contradiction"}
+LABELS = {name: i for i, name in ID2LABEL.items()}
 # held-out groups: name -> the sources it draws from
 HELDOUT_GROUPS = {"mnli_dev": ("mnli_dev_taxinli",), "anli_dev": ("anli_r1_dev", "anli_r2_dev", "anli_r3_dev")}
 HELDOUT_PAIRS_PER_GROUP = 1000

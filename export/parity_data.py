@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from export.tiny import tiny_corpus
+from d2r_edge_export.tiny import tiny_corpus
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class ParitySet:
 
 
 def _jsonl(path: Path, limit: int, skip_heldout: bool) -> list[dict]:
-    from export.finetune_data import is_validation
+    from d2r_edge_export.finetune_data import is_validation
 
     out = []
     with open(path, encoding="utf-8") as fh:

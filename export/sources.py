@@ -74,8 +74,8 @@ def resolve(role: str, spec: str, cache_dir: Path, seed: int = 0, data_dir: Path
             finetune_settings=None) -> ResolvedSource:
     """A checkpoint directory for `spec`, building, training or fetching it if needed."""
     if spec.startswith("finetune:"):
-        from export.finetune import FinetuneSettings, finetuned_checkpoint
-        from export.parity_data import DEFAULT_DATA_DIR
+        from d2r_edge_export.finetune import FinetuneSettings, finetuned_checkpoint
+        from d2r_edge_export.parity_data import DEFAULT_DATA_DIR
 
         base = resolve(role, spec.removeprefix("finetune:"), cache_dir, seed)
         directory, meta = finetuned_checkpoint(role, base.directory, Path(data_dir or DEFAULT_DATA_DIR),
@@ -83,7 +83,7 @@ def resolve(role: str, spec: str, cache_dir: Path, seed: int = 0, data_dir: Path
         _check_checkpoint(role, spec, directory)
         return ResolvedSource(spec, "finetune", directory, False, meta)
     if spec.startswith("random:"):
-        from export.tiny import build_random_model
+        from d2r_edge_export.tiny import build_random_model
 
         name = spec.removeprefix("random:")
         directory = build_random_model(name, cache_dir / "random" / f"{name}-seed{seed}", seed)

@@ -27,7 +27,7 @@ def tiny_models(tmp_path_factory) -> Path:
         return Path(reuse)
     pytest.importorskip("torch")
     pytest.importorskip("optimum.exporters.onnx")
-    from export.build import ExportRequest, run_export
+    from d2r_edge_export.build import ExportRequest, run_export
 
     warnings.filterwarnings("ignore")
     logging.getLogger("optimum").setLevel(logging.ERROR)

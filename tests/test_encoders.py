@@ -24,7 +24,7 @@ def test_token_batches_cover_every_index_once_within_budget(lengths, budget, row
 
 
 def test_batched_scores_equal_one_by_one_in_caller_order(tiny_models, shared_data):
-    from export.parity_data import load_parity_set
+    from d2r_edge_export.parity_data import load_parity_set
 
     pairs = load_parity_set(shared_data, n_pairs=20).pairs
     manifest = load_manifest(tiny_models)
@@ -101,7 +101,7 @@ def test_int8_nli_rescores_exactly_its_near_ties_in_fp32(tiny_models, shared_dat
     import shutil
 
     from d2r_edge.onnx.encoders import top2_margin
-    from export.parity_data import load_parity_set
+    from d2r_edge_export.parity_data import load_parity_set
 
     pairs = load_parity_set(shared_data, n_pairs=24).pairs
     prof = tmp_path / "tiny"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from d2r_edge.onnx.manifest import Role, Variant, load_manifest, sha256_file
-from export.convert import count_quantized_nodes
+from d2r_edge_export.convert import count_quantized_nodes
 
 pytestmark = pytest.mark.export
 
@@ -74,7 +74,7 @@ def test_greedy_decoding_is_not_trivial(tiny_models):
 
 
 def test_int8_tiers_keep_exactly_the_named_matmuls_fp32(tiny_models, tmp_path):
-    from export.convert import INT8_TIERS, PRESETS, quantize_int8
+    from d2r_edge_export.convert import INT8_TIERS, PRESETS, quantize_int8
 
     fp32 = load_manifest(tiny_models).role(Role.NLI, allow_random_weights=True).variant_paths(
         Variant.FP32)["model.onnx"]
@@ -101,8 +101,8 @@ def test_int8_tier_search_is_skipped_for_random_weights(tiny_models):
 def test_int8_tier_search_stops_at_the_first_tier_reaching_the_target(tiny_models, tmp_path, shared_data):
     import shutil
 
-    from export.build import settle_int8
-    from export.parity_data import load_parity_set
+    from d2r_edge_export.build import settle_int8
+    from d2r_edge_export.parity_data import load_parity_set
 
     work = tmp_path / "tiny"
     shutil.copytree(tiny_models, work)

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from export.fever_train import CON, ENT, FILE, NEU, build, claim_subject, names
-from export.finetune_data import _qa_rows, _rows, validation_texts
-from export.nli_general import dedupe_key
+from d2r_edge_export.fever_train import CON, ENT, FILE, NEU, build, claim_subject, names
+from d2r_edge_export.finetune_data import _qa_rows, _rows, validation_texts
+from d2r_edge_export.nli_general import dedupe_key
 
 pytestmark = pytest.mark.export
 

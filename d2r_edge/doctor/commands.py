@@ -13,7 +13,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from d2r_edge import runner
+import d2r_edge.runner as runner
+from d2r_edge.answers import normalize_answer
 from d2r_edge.doctor.diagnose import (
     DoctorSettings,
     TrajectoryDiagnoser,
@@ -22,7 +23,6 @@ from d2r_edge.doctor.diagnose import (
 )
 from d2r_edge.doctor.parse import TrajectoryFormat, parse_file
 from d2r_edge.doctor.trajectory import StepKind, Trajectory
-from d2r_edge.eval.metrics import normalize_answer
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from enum import Enum
 
 import numpy as np
 
+from d2r_edge.answers import exact_match, normalize_answer, token_f1
 from d2r_edge.doctor.trajectory import Step, StepKind, Trajectory
-from d2r_edge.eval.metrics import exact_match, normalize_answer, token_f1
 from d2r_edge.hypothesis import statement
 
 

@@ -16,6 +16,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from d2r_edge.answers import normalize_answer, token_f1
 from d2r_edge.doctor.commands import rule_checks
 from d2r_edge.doctor.diagnose import (
     DoctorDiagnosis,
@@ -28,7 +29,6 @@ from d2r_edge.doctor.parse import TrajectoryFormat, parse_file
 from d2r_edge.doctor.repair import Method, Repairer, RepairSettings
 from d2r_edge.doctor.trajectory import StepKind, Trajectory
 from d2r_edge.errors import InputError
-from d2r_edge.eval.metrics import normalize_answer, token_f1
 from d2r_edge.retrieval.docs import Document
 from d2r_edge.runner import RecordLog
 

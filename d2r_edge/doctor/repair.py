@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Protocol
 
+from d2r_edge.answers import normalize_answer, token_f1
 from d2r_edge.doctor.diagnose import (
     DoctorDiagnosis,
     ErrorType,
@@ -34,7 +35,6 @@ from d2r_edge.doctor.diagnose import (
     fever_spelling,
 )
 from d2r_edge.doctor.trajectory import StepKind, Trajectory
-from d2r_edge.eval.metrics import normalize_answer, token_f1
 from d2r_edge.generate.base import json_object
 
 

@@ -25,6 +25,7 @@ import logging
 
 import numpy as np
 
+from d2r_edge.detector import first_answer
 from d2r_edge.errors import ConfigError
 from d2r_edge.signals import FailureType, KGStatus
 
@@ -86,14 +87,6 @@ def detection_row(name: str, scores, wrong, flagged) -> dict:
     wrong, flagged = np.asarray(wrong, dtype=bool), np.asarray(flagged, dtype=bool)
     return {"score": name, "auroc": auroc(scores, wrong), "auprc": auprc(scores, wrong), "n": int(len(wrong)),
             "n_wrong": int(wrong.sum()), "flagged": int(flagged.sum()), "flagged_wrong": int((flagged & wrong).sum())}
-
-
-def first_answer(fact_verification: bool, attempt) -> str:
-    """The generator's answer before the UNVERIFIED gate."""
-    if fact_verification:
-        label = attempt.generation.label
-        return label.value if label is not None else "NOT ENOUGH INFO"
-    return attempt.generation.response
 
 
 def _first_attempts(ctx, queries) -> tuple[list, np.ndarray]:

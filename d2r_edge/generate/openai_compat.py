@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import httpx2 as httpx
 
-from d2r_edge import deadline
+import d2r_edge.deadline as deadline
 from d2r_edge.errors import ConfigError, D2RError
 from d2r_edge.generate.base import Generation, parse_output
 from d2r_edge.redact import excerpt, register_secret, safe_url

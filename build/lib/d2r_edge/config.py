@@ -1,0 +1,112 @@
+"""Frozen, validated configuration. Units live in the names."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from d2r_edge.errors import ConfigError
+
+
+def coerce_enum(obj, name: str, enum_type) -> None:
+    """In a frozen dataclass's __post_init__: accept the enum's value string too."""
+    value = getattr(obj, name)
+    if isinstance(value, enum_type):
+        return
+    try:
+        object.__setattr__(obj, name, enum_type(value))
+    except ValueError:
+        raise ConfigError(
+            f"{name} must be one of {[e.value for e in enum_type]}, got {value!r}"
+        ) from None
+
+
+def _positive(name: str, value: object, *, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Per repair action budgets (paper: 3 s and 6 MB; stringent 0.7x, relaxed 1.5x)."""
+
+    latency_s: float = 3.0
+    device_mem_mib: float = 6.0
+
+    def __post_init__(self) -> None:
+        _positive("latency_s", self.latency_s)
+        _positive("device_mem_mib", self.device_mem_mib)
+
+    def scaled(self, factor: float) -> "Budget":
+        _positive("factor", factor)
+        return Budget(self.latency_s * factor, self.device_mem_mib * factor)
+
+
+BUDGET_PRESETS = {"paper": Budget(), "stringent": Budget().scaled(0.7), "relaxed": Budget().scaled(1.5)}
+
+
+@dataclass(frozen=True)
+class LinUCBConfig:
+    """LinUCB settings (Eq. 1, 3). `reinvert_every` bounds Sherman–Morrison drift."""
+
+    alpha: float = 2.0
+    reinvert_every: int = 1000
+
+    def __post_init__(self) -> None:
+        _positive("alpha", self.alpha, allow_zero=True)
+        if not isinstance(self.reinvert_every, int) or self.reinvert_every < 0:
+            raise ConfigError(f"reinvert_every must be an int >= 0 (0 = never), got {self.reinvert_every!r}")
+
+
+@dataclass(frozen=True)
+class ExplorationConfig:
+    """Training-time weighted random draw (reference code; off by default as in the paper's runs)."""
+
+    rate: float = 0.0
+    retrieval_share: float = 0.25   # all retrieval arms together
+    other_arm_weight: float = 0.25  # each non-retrieval arm
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.rate, (int, float)) and 0.0 <= self.rate <= 1.0):
+            raise ConfigError(f"exploration rate must be in [0, 1], got {self.rate!r}")
+        _positive("retrieval_share", self.retrieval_share, allow_zero=True)
+        _positive("other_arm_weight", self.other_arm_weight, allow_zero=True)
+        if self.retrieval_share == 0 and self.other_arm_weight == 0:
+            raise ConfigError("retrieval_share and other_arm_weight cannot both be 0")
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """Context vector x (Appendix B). `query_dim=None` keeps the full query embedding."""
+
+    embedding_dim: int = 384
+    query_dim: int | None = 128
+    projection_seed: int = 0
+    embedder_id: str | None = None          # which embedding space (Embedder.space_id)
+    p_wrong: bool = False                   # the calibrated gate's P(wrong) as one more feature
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.embedding_dim, int) or self.embedding_dim < 1:
+            raise ConfigError(f"embedding_dim must be an int >= 1, got {self.embedding_dim!r}")
+        if self.query_dim is not None and (not isinstance(self.query_dim, int) or self.query_dim < 1):
+            raise ConfigError(f"query_dim must be an int >= 1 or None, got {self.query_dim!r}")
+
+    @property
+    def projected_dim(self) -> int:
+        return self.embedding_dim if self.query_dim is None else self.query_dim
+
+    @property
+    def dim(self) -> int:
+        # query + failure(5) + KG(5) + e_q(3) + e_r(3) + budgets(2) [+ P(wrong)] + bias(1)
+        return self.projected_dim + 19 + int(self.p_wrong)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Eq. 2 and the paper's ablations: `gates=False` is "unconstrained", `cost_weighting=False` "unweighted"."""
+
+    gates: bool = True
+    cost_weighting: bool = True

@@ -1,0 +1,141 @@
+"""What the answer evaluation's modules share: its methods, settings and the Context every
+method reads outcomes from. `answers` (loading, outcomes, the run), `methods` and `report`
+import this; it imports none of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+
+from d2r_edge.config import RewardConfig
+from d2r_edge.errors import InputError
+from d2r_edge.eval.metrics import exact_match, fever_label, token_f1
+from d2r_edge.eval.outcomes import AttemptStore, CachedGenerator
+from d2r_edge.eval.querysets import EvalQuery
+from d2r_edge.eval.split import Split
+from d2r_edge.repair import ARMS
+from d2r_edge.tasks import Task
+
+__all__ = ["Context", "EvalQuery", "EvalSettings", "FIXED_ARMS", "Method", "POLICY_METHODS", "PolicySpec",
+           "parse_methods"]
+
+
+class Method(str, Enum):
+    NAIVE = "naive"
+    PARAPHRASE = "paraphrase"
+    EXPANSION = "expansion"
+    BEST_FIXED = "best_fixed"
+    LINUCB = "linucb"
+    THOMPSON = "thompson"
+    ORACLE = "oracle"
+    LINUCB_UNWEIGHTED = "linucb_unweighted"
+    LINUCB_UNCONSTRAINED = "linucb_unconstrained"
+    LINUCB_STRINGENT = "linucb_stringent"
+    LINUCB_RELAXED = "linucb_relaxed"
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    kind: str
+    reward: RewardConfig = RewardConfig()
+    budget_factor: float = 1.0             # x the run's budget (paper: stringent 0.7, relaxed 1.5)
+
+
+POLICY_METHODS = {
+    Method.LINUCB: PolicySpec("linucb"),
+    Method.THOMPSON: PolicySpec("thompson"),
+    Method.LINUCB_UNWEIGHTED: PolicySpec("linucb", RewardConfig(cost_weighting=False)),
+    Method.LINUCB_UNCONSTRAINED: PolicySpec("linucb", RewardConfig(gates=False)),
+    Method.LINUCB_STRINGENT: PolicySpec("linucb", budget_factor=0.7),
+    Method.LINUCB_RELAXED: PolicySpec("linucb", budget_factor=1.5),
+}
+FIXED_ARMS = {Method.PARAPHRASE: "prompt_paraphrase", Method.EXPANSION: "dense_k20"}
+
+
+def parse_methods(text: str | None) -> tuple[Method, ...]:
+    if not text:
+        return tuple(Method)
+    out = []
+    for name in (t.strip() for t in text.split(",") if t.strip()):
+        try:
+            out.append(Method(name))
+        except ValueError:
+            raise InputError(f"unknown method {name!r}; choose from {', '.join(m.value for m in Method)}") from None
+    if not out:
+        raise InputError("--methods is empty; give a comma-separated list or leave it out for all")
+    return tuple(dict.fromkeys(out))
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    task: Task
+    train: tuple[Path, ...]
+    test: tuple[Path, ...]
+    models: Path
+    out: Path
+    train_limit: int | None = None
+    test_limit: int | None = None
+    test_offset: int = 0                   # skip the first N test queries (their documents stay in the KB)
+    split: Split = Split.HELDOUT
+    methods: tuple[Method, ...] = tuple(Method)
+    extra_docs: tuple[Path, ...] = ()
+    run: object = None                     # app.RunSettings template: generator, budgets, seed, models
+    epochs: int = 2
+    bootstrap_resamples: int = 10_000
+    generation_cache: Path | None = None   # default OUT/generations.jsonl; share it between evaluations
+
+    def __post_init__(self) -> None:
+        if not self.train or not self.test:
+            raise InputError("eval answers needs at least one --train and one --test file")
+        for name in ("train_limit", "test_limit"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InputError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.test_offset, int) or self.test_offset < 0:
+            raise InputError(f"--test-offset must be an integer >= 0, got {self.test_offset!r}")
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise InputError(f"--epochs must be an integer >= 1, got {self.epochs!r}")
+        if not isinstance(self.bootstrap_resamples, int) or self.bootstrap_resamples < 100:
+            raise InputError(f"--bootstrap must be an integer >= 100, got {self.bootstrap_resamples!r}")
+        if self.run is None:
+            raise InputError("EvalSettings.run must be a RunSettings (generator, budgets, seed)")
+
+
+@dataclass
+class Context:
+    """What the methods share: the base pipeline (memo, cached generator) and the queries."""
+
+    settings: EvalSettings
+    pipeline: object
+    store: AttemptStore
+    generator: CachedGenerator
+    train: list[EvalQuery]
+    test: list[EvalQuery]
+    kb_stats: dict = field(default_factory=dict)
+
+    def first(self, q: EvalQuery):
+        return self.pipeline.metered_attempt(q.text, self.pipeline.default, metered=False)[0]
+
+    def arm_outcome(self, q: EvalQuery, arm: int):
+        return self.pipeline.metered_attempt(q.text, ARMS[arm].apply(self.pipeline.default))
+
+    def repairs(self, first) -> bool:
+        """Whether the gate (Alg. 1's flags, or the calibrated detector) sends this first answer to repair."""
+        return self.pipeline.repairs(first)
+
+    def allowed(self, first) -> np.ndarray:
+        """The UNVERIFIED rule and the arms the loaded models can run (Pipeline.allowed)."""
+        return self.pipeline.allowed(first.diagnosis)
+
+    def answer(self, attempt) -> str:
+        return self.pipeline.answer(attempt)
+
+    def score(self, q: EvalQuery, answer: str) -> tuple[float, float]:
+        """(correct, F1): FEVER 3-way label match twice, QA SQuAD EM and token F1."""
+        if self.settings.task.fact_verification:
+            ok = float(fever_label(answer) == fever_label(q.label))
+            return ok, ok
+        return exact_match(answer, q.answers), token_f1(answer, q.answers)

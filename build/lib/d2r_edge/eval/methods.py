@@ -1,0 +1,196 @@
+"""The methods of the answer evaluation, each a choice among the shared outcomes.
+
+`naive` keeps the first answer; `paraphrase` / `expansion` / `best_fixed` apply one
+arm to every failing query (where the UNVERIFIED rule allows it); the policy methods
+are trained by Alg. 2 through the real pipeline and then frozen; `oracle` takes the
+best outcome post hoc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from d2r_edge.config import Budget
+from d2r_edge.detector import record_signals
+from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, Context, EvalQuery, Method
+from d2r_edge.repair import ARM_NAMES, ARMS
+from d2r_edge.runner import RecordLog
+from d2r_edge.signals import Entailment, FailureType
+
+
+def _record(ctx: Context, q: EvalQuery, method: Method, first, final, arm: int | None, cost,
+            budget: Budget, extra: dict | None = None) -> dict:
+    fa, la = ctx.answer(first), ctx.answer(final)
+    c1, f1_first = ctx.score(q, fa)
+    c2, f1_final = ctx.score(q, la)
+    _, p_wrong, signals = ctx.pipeline.assess(first)
+    return {
+        "id": q.id, "method": method.value, "first_failure": first.diagnosis.failure.value,
+        "first_answer": fa, "final_answer": la, "first_correct": c1, "final_correct": c2,
+        "first_f1": f1_first, "final_f1": f1_final,
+        "final_entailed": final.diagnosis.e_r is Entailment.ENTAILMENT,
+        "final_failure": final.diagnosis.failure.value,
+        "arm": None if arm is None else ARM_NAMES[arm], "repaired": arm is not None,
+        "latency_s": None if cost is None else cost.latency_s,
+        "mem_growth_mib": None if cost is None else cost.mem_growth_mib,
+        "memory_kind": None if cost is None else cost.memory_kind.value,
+        "over_budget": None if cost is None else bool(cost.latency_s > budget.latency_s
+                                                      or cost.mem_growth_mib > budget.device_mem_mib),
+        "gold": q.label if ctx.settings.task.fact_verification else list(q.answers),
+        "first_passages": [p.doc_id for p in first.passages],
+        "gold_docs": sorted(q.gold_doc_ids), "p_wrong": p_wrong,
+        "detector_signals": None if signals is None else record_signals(signals),
+        **(extra or {}),
+    }
+
+
+def _fixed(ctx: Context, q: EvalQuery, method: Method, arm: int) -> dict:
+    first = ctx.first(q)
+    if not ctx.repairs(first) or not ctx.allowed(first)[arm]:
+        # a baseline whose arm the UNVERIFIED rule forbids, or the loaded models cannot run,
+        # leaves the answer as it was
+        why = ctx.pipeline.arms.reason(arm)
+        return _record(ctx, q, method, first, first, None, None, ctx.pipeline.budget,
+                       {"arm_unavailable": {ARM_NAMES[arm]: why}} if why else None)
+    final, cost = ctx.arm_outcome(q, arm)
+    return _record(ctx, q, method, first, final, arm, cost, ctx.pipeline.budget)
+
+
+def _oracle(ctx: Context, q: EvalQuery) -> dict:
+    """Post-hoc: every allowed arm is tried and the best outcome counts; keeping the first
+    answer is a candidate too, so the oracle bounds every fixed-arm method from above."""
+    first = ctx.first(q)
+    if not ctx.repairs(first):
+        return _record(ctx, q, Method.ORACLE, first, first, None, None, ctx.pipeline.budget)
+    best = (ctx.score(q, ctx.answer(first)), 1, 0.0)
+    choice = (first, None, None)
+    for arm in np.flatnonzero(ctx.allowed(first)):
+        final, cost = ctx.arm_outcome(q, int(arm))
+        key = (ctx.score(q, ctx.answer(final)), 0, -cost.latency_s)
+        if key > best:
+            best, choice = key, (final, int(arm), cost)
+    return _record(ctx, q, Method.ORACLE, first, choice[0], choice[1], choice[2], ctx.pipeline.budget)
+
+
+def arm_rewards(ctx: Context, queries: list[EvalQuery]) -> np.ndarray:
+    """Mean Eq. 2 reward of each arm over the failing queries where it is allowed (nan: never)."""
+    from d2r_edge.policy.reward import reward
+    from d2r_edge.signals import KGStatus
+
+    sums, counts = np.zeros(len(ARMS)), np.zeros(len(ARMS))
+    p = ctx.pipeline
+    for q in queries:
+        first = ctx.first(q)
+        if not ctx.repairs(first):
+            continue
+        for arm in np.flatnonzero(ctx.allowed(first)):
+            a, cost = ctx.arm_outcome(q, int(arm))
+            d = a.diagnosis
+            sums[arm] += reward(no_failure=d.failure is FailureType.NO_FAILURE,
+                                kg_consistent=d.kg is KGStatus.CONSISTENT,
+                                nli_entailed=d.e_r is Entailment.ENTAILMENT, latency_s=cost.latency_s,
+                                device_mem_mib=cost.mem_growth_mib, budget=p.budget, cfg=p.reward_cfg)
+            counts[arm] += 1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def best_fixed_arm(ctx: Context) -> int:
+    """The single arm with the best mean reward on the training queries (Table 1's best fixed)."""
+    r = arm_rewards(ctx, ctx.train)
+    if np.all(np.isnan(r)):
+        return ARM_NAMES.index(FIXED_ARMS[Method.EXPANSION])
+    return int(np.nanargmax(r))
+
+
+def policy_pipeline(ctx: Context, method: Method):
+    """A pipeline for one policy method: its own policy, cost model, budget and reward config."""
+    from d2r_edge.app import load_policy
+
+    spec = POLICY_METHODS[method]
+    base = ctx.pipeline
+    budget = base.budget.scaled(spec.budget_factor) if spec.budget_factor != 1.0 else base.budget
+    run = replace(ctx.settings.run, policy_kind=spec.kind, policy_path=None)
+    policy, costs = load_policy(run, base.context)
+    return replace(base, policy=policy, costs=costs, budget=budget, reward_cfg=spec.reward, explorer=None)
+
+
+def train_policy(ctx: Context, method: Method):
+    """Alg. 2 on the training queries (online, `epochs` passes), outcomes from the shared store."""
+    p = policy_pipeline(ctx, method)
+    for _ in range(ctx.settings.epochs):
+        for q in ctx.train:
+            p.run(q.text, learn=True)
+    path = ctx.settings.out / "policies" / f"{method.value}.npz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    p.policy.save(path)
+    return p
+
+
+def _policy_record(ctx: Context, p, q: EvalQuery, method: Method) -> dict:
+    rec = p.run(q.text, learn=False)
+    first = ctx.first(q)
+    if rec["repair"] is None:
+        return _record(ctx, q, method, first, first, None, None, p.budget)
+    arm = int(rec["repair"]["arm_index"])
+    final, cost = ctx.arm_outcome(q, arm)
+    return _record(ctx, q, method, first, final, arm, cost, p.budget,
+                   {"cost_masked": rec["repair"]["cost_masked"], "mask_fallback": rec["repair"]["mask_fallback"]})
+
+
+_NUMBER = (int, float)
+_OPTIONAL_NUMBER = (int, float, type(None))
+# what the summary and report read from a method record, by type: a stored line without it is redone
+_RECORD_FIELDS = {"id": str, "method": str, "first_failure": str, "final_failure": str, "first_answer": str,
+                  "final_answer": str, "first_correct": _NUMBER, "final_correct": _NUMBER, "first_f1": _NUMBER,
+                  "final_f1": _NUMBER, "final_entailed": bool, "repaired": bool, "arm": (str, type(None)),
+                  "latency_s": _OPTIONAL_NUMBER, "mem_growth_mib": _OPTIONAL_NUMBER,
+                  "memory_kind": (str, type(None)), "over_budget": (bool, type(None)), "gold": (str, list),
+                  "first_passages": list, "gold_docs": list, "p_wrong": _OPTIONAL_NUMBER,
+                  "detector_signals": (dict, type(None))}
+
+
+def method_record_ok(method: Method):
+    """A validator of stored method records (RecordLog `valid`)."""
+    def ok(r: dict) -> bool:
+        return (r.get("method") == method.value
+                and all(k in r and isinstance(r[k], t) for k, t in _RECORD_FIELDS.items())
+                and (r["arm"] is None or r["arm"] in ARM_NAMES) and r["repaired"] == (r["arm"] is not None)
+                and isinstance(r.get("arm_unavailable") or {}, dict)
+                and (method not in POLICY_METHODS or not r["repaired"]
+                     or (isinstance(r.get("cost_masked"), list) and isinstance(r.get("mask_fallback"), bool))))
+    return ok
+
+
+def run_method(ctx: Context, method: Method) -> list[dict]:
+    """The method's per-query records on the test queries (resumed from its JSONL file)."""
+    path = ctx.settings.out / "methods" / f"{method.value}.jsonl"
+    rlog = RecordLog(path, valid=method_record_ok(method))
+    done = {r["id"] for r in rlog.records}
+    todo = [q for q in ctx.test if q.id not in done]
+    try:
+        if todo:
+            if method is Method.NAIVE:
+                make = lambda q: _record(ctx, q, method, ctx.first(q), ctx.first(q), None, None,  # noqa: E731
+                                         ctx.pipeline.budget)
+            elif method in FIXED_ARMS or method is Method.BEST_FIXED:
+                arm = (ARM_NAMES.index(FIXED_ARMS[method]) if method in FIXED_ARMS else best_fixed_arm(ctx))
+                make = lambda q: _fixed(ctx, q, method, arm)  # noqa: E731
+            elif method is Method.ORACLE:
+                make = lambda q: _oracle(ctx, q)  # noqa: E731
+            else:
+                p = train_policy(ctx, method)
+                make = lambda q: _policy_record(ctx, p, q, method)  # noqa: E731
+            for q in ctx.test:
+                if q.id not in done:
+                    rlog.append(make(q))
+                elif method in POLICY_METHODS:
+                    # replayed, not recorded: a sampling policy's random state then reaches the
+                    # remaining queries as in an uninterrupted run
+                    make(q)
+    finally:
+        rlog.close()
+    by_id = {r["id"]: r for r in rlog.records}
+    return [by_id[q.id] for q in ctx.test]

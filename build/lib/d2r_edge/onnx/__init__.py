@@ -1,0 +1,1 @@
+"""ONNX Runtime side of d2r-edge: manifests, sessions, encoders, seq2seq decoding."""

@@ -1,0 +1,286 @@
+"""One query: retrieve -> generate -> diagnose -> (select -> repair -> diagnose -> reward)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol
+
+import numpy as np
+
+import d2r_edge.deadline as deadline
+from d2r_edge.budget import CostModel, Measurement, Meter
+from d2r_edge.config import Budget, RewardConfig
+from d2r_edge.detector import Detector, Gate, record_signals
+from d2r_edge.diagnose import Diagnoser, Diagnosis, Label
+from d2r_edge.errors import RECOVERABLE, ConfigError
+from d2r_edge.generate.base import Generation
+from d2r_edge.policy import updates_of
+from d2r_edge.policy.explore import Explorer
+from d2r_edge.policy.features import ContextBuilder
+from d2r_edge.policy.reward import reward
+from d2r_edge.repair import (
+    ARM_NAMES,
+    ARMS,
+    IS_RETRIEVAL,
+    ArmAvailability,
+    PipelineConfig,
+    PromptStyle,
+    allowed_arms,
+)
+from d2r_edge.retrieval.retriever import Passage, Retriever, evidence_text
+from d2r_edge.signals import Entailment, FailureType, KGStatus
+from d2r_edge.tasks import Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Attempt:
+    passages: list[Passage]
+    generation: Generation
+    diagnosis: Diagnosis
+    timings_s: dict[str, float]
+
+    def summary(self) -> dict:
+        d = self.diagnosis
+        return {"passages": [p.doc_id for p in self.passages], "label": d.label.value if d.label else None,
+                "gated_label": d.gated_label.value if d.gated_label else None,
+                "response": self.generation.response, "failure": d.failure.value, "e_q": d.e_q.value,
+                "e_r": d.e_r.value, "kg": d.kg.value, "nli_q": d.passage_probs_q, "nli_r": d.passage_probs_r,
+                "timings_s": self.timings_s}
+
+
+STAGES = ("embed_query_s", "refresh_s", "retrieve_s", "generate_s", "diagnose_s")
+
+
+class AttemptMemo(Protocol):
+    """Outcomes of (query, effective config) computed once and reused (`d2r-edge eval answers`)."""
+
+    def get(self, query: str, cfg: PipelineConfig, metered: bool) -> tuple[Attempt, Measurement | None] | None:
+        """The stored attempt; with `metered`, only one stored with its measured cost."""
+        ...
+
+    def put(self, query: str, cfg: PipelineConfig, attempt: Attempt, cost: Measurement | None) -> None:
+        ...
+
+
+@dataclass
+class Pipeline:
+    task: Task
+    retriever: Retriever
+    generator: object
+    diagnoser: Diagnoser
+    policy: object                              # LinUCB or ThompsonSampling
+    context: ContextBuilder
+    costs: CostModel
+    meter: Meter
+    budget: Budget = field(default_factory=Budget)
+    reward_cfg: RewardConfig = field(default_factory=RewardConfig)
+    explorer: Explorer | None = None
+    refresh: Callable[[], int] | None = None    # the refresh arm's source; returns docs added
+    default: PipelineConfig = field(default_factory=PipelineConfig)
+    memo: AttemptMemo | None = None
+    arms: ArmAvailability = field(default_factory=ArmAvailability)   # what the loaded models can run
+    gate: Gate = Gate.PAPER
+    detector: Detector | None = None            # P(wrong): recorded when loaded, gates with Gate.CALIBRATED
+    # the policy (select/update) and a refresh, when queries run in parallel threads
+    state_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+
+    def assess(self, first: Attempt) -> tuple[bool, float | None, dict | None]:
+        """(repair this first answer?, P(wrong), the signals behind it). `paper`: Alg. 1 named a
+        failure; `calibrated`: P(wrong) >= the detector's threshold, whatever Alg. 1 said."""
+        if self.detector is None:
+            if self.gate is Gate.CALIBRATED:
+                raise ConfigError("the calibrated gate needs a fitted detector: give --detector FILE (train "
+                                  "--gate calibrated writes one beside the policy), or use --gate paper")
+            return first.diagnosis.failure is not FailureType.NO_FAILURE, None, None
+        p, signals = self.detector.assess(first, self.task.fact_verification)
+        if self.gate is Gate.CALIBRATED:
+            return p >= self.detector.threshold, p, signals
+        return first.diagnosis.failure is not FailureType.NO_FAILURE, p, signals
+
+    def repairs(self, first: Attempt) -> bool:
+        return self.assess(first)[0]
+
+    def allowed(self, first: Diagnosis) -> np.ndarray:
+        """The arms that may repair this first answer: the UNVERIFIED rule and the loaded models."""
+        return allowed_arms(first.unverified, self.task.restrict_unverified, self.arms.mask)
+
+    def effective(self, cfg: PipelineConfig) -> PipelineConfig:
+        """`cfg` with what cannot change the outcome taken out: refresh without a refresh source,
+        the prompt style for a generator that has no prompt. Equal effective configs give equal
+        attempts, so an arm that is a duplicate of another here is computed once."""
+        if cfg.refresh and self.refresh is None:
+            cfg = replace(cfg, refresh=False)
+        if not getattr(self.generator, "prompt_sensitive", True) and cfg.prompt is not PromptStyle.SIMPLE:
+            cfg = replace(cfg, prompt=PromptStyle.SIMPLE)
+        return cfg
+
+    def metered_attempt(self, query: str, cfg: PipelineConfig, query_vec: np.ndarray | None = None,
+                        metered: bool = True) -> tuple[Attempt, Measurement | None]:
+        """One attempt with its measured cost; from the memo when it has this (query, config)."""
+        cfg = self.effective(cfg)
+        if self.memo is not None:
+            hit = self.memo.get(query, cfg, metered)
+            if hit is not None:
+                return hit
+        with self.meter.measure() as m:
+            a = self.attempt(query, cfg, query_vec)
+        # an unmetered attempt (a first pass) still notes its memory growth: the context's
+        # remaining-memory feature reads it, as the remaining-latency feature reads its times
+        a.timings_s["mem_growth_mib"] = m.result.mem_growth_mib
+        cost = m.result if metered else None
+        replayed = a.generation.replayed_s
+        if replayed > 0:   # a cached generator answer: count the time the real call took
+            a.timings_s["generate_s"] += replayed
+            if cost is not None:
+                cost = replace(cost, latency_s=cost.latency_s + replayed)
+        if self.memo is not None:
+            self.memo.put(query, cfg, a, cost)
+        return a, cost
+
+    def attempt(self, query: str, cfg: PipelineConfig, query_vec: np.ndarray | None = None) -> Attempt:
+        t = {}
+        t0 = time.perf_counter()
+        if cfg.refresh and self.refresh is not None:
+            with self.state_lock:
+                t["refresh_docs"] = float(self.refresh())
+        t["refresh_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        passages = self.retriever.retrieve(query, cfg.retrieval, query_vec)
+        t["retrieve_s"] = time.perf_counter() - t0
+        texts = [evidence_text(p, cfg.evidence_titles) for p in passages]
+        t0 = time.perf_counter()
+        gen = self.generator.generate(self.task, cfg.prompt, query, texts)
+        t["generate_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        diag = self.diagnoser.diagnose(query, texts, gen.response, gen.label, self.task.fact_verification)
+        t["diagnose_s"] = time.perf_counter() - t0
+        return Attempt(passages, gen, diag, t)
+
+    def run(self, query: str, learn: bool, deadline_s: float | None = None) -> dict:
+        """Answer one query with at most one repair (Alg. 2 l.6-15); returns the record."""
+        return self.run_attempts(query, learn, deadline_s)[0]
+
+    def run_attempts(self, query: str, learn: bool,
+                     deadline_s: float | None = None) -> tuple[dict, Attempt, Attempt]:
+        """`run`'s record with the first and the final attempt (the same one when not repaired).
+
+        `deadline_s`: the whole query's wall-clock limit (generator included). A repair is then
+        attempted only with an arm whose predicted cost fits in what the first attempt left: the
+        cost model's prediction, or for an arm it has not measured yet, the first attempt's own
+        time (a repair is one more retrieve-generate-diagnose). Otherwise the first answer stands
+        and `repair_skipped` says why. Everything the query waits on (the generator's calls, their
+        retries) is cut to the deadline too (`d2r_edge.deadline`)."""
+        with deadline.scope(deadline_s):
+            return self._run_attempts(query, learn, deadline_s)
+
+    def _run_attempts(self, query: str, learn: bool, deadline_s: float | None) -> tuple[dict, Attempt, Attempt]:
+        t_start = time.perf_counter()
+        q_vec = self.retriever.embed(query)   # once: both attempts and the context vector use it
+        embed_s = time.perf_counter() - t_start
+        first, _ = self.metered_attempt(query, self.default, q_vec, metered=False)
+        first.timings_s["embed_query_s"] = first.timings_s.get("embed_query_s", embed_s)
+        rec = {"first": first.summary(), "failure": first.diagnosis.failure.value, "repair": None}
+        repair, p_wrong, signals = self.assess(first)
+        rec["gate"] = self.gate.value
+        if p_wrong is not None:   # missing signals (no log-probabilities) are recorded as null
+            rec["p_wrong"] = p_wrong
+            rec["detector_threshold"] = self.detector.threshold
+            rec["detector_signals"] = record_signals(signals)
+        final = first
+        allowed = self.allowed(first.diagnosis)
+        if repair and allowed.any() and deadline_s is not None:
+            left_s = deadline_s - (time.perf_counter() - t_start)
+            fits, cheapest_s = self.fits_deadline(allowed, left_s, first)
+            if not fits.any():
+                rec["repair_skipped"] = {"reason": "the deadline leaves no time for a repair",
+                                         "deadline_s": deadline_s, "left_s": left_s,
+                                         "cheapest_predicted_s": cheapest_s}
+                repair = False
+            allowed = fits
+        if repair and not allowed.any():
+            # no arm both allowed and runnable with the loaded models: the first answer stands
+            rec["repair_skipped"] = {"reason": "no allowed arm can run with the loaded models",
+                                     "unavailable": dict(self.arms.unavailable)}
+        elif repair:
+            # the first pass's recorded stage times, not the wall clock: a memoized first
+            # attempt then builds the same context vector (remaining budget) as a live one
+            spent_s = sum(first.timings_s.get(k, 0.0) for k in STAGES)
+            try:
+                rec["repair"], final = self._repair(query, q_vec, first, allowed, learn, spent_s, p_wrong)
+            except RECOVERABLE as exc:
+                # the repair pass failed (generator down, ...): the first answer stands, and says so
+                log.warning("repair of %r failed, keeping the first answer: %s", query[:60], exc)
+                rec["repair_error"] = f"{type(exc).__name__}: {exc}"
+        rec["final"] = final.summary()
+        rec["final_answer"] = self.answer(final)
+        rec["first_answer"] = self.answer(first)
+        kb = getattr(self.retriever, "kb", None)
+        if kb is not None:   # which KB answered: its version on disk, and what a refresh added in memory
+            rec["kb_version"], rec["kb_docs_added_in_memory"] = kb.version, kb.session_docs
+        rec["total_s"] = time.perf_counter() - t_start
+        return rec, first, final
+
+    def fits_deadline(self, allowed: np.ndarray, left_s: float, first: Attempt) -> tuple[np.ndarray, float]:
+        """(allowed arms predicted to finish within `left_s`, the cheapest prediction among them)."""
+        predicted = self.costs.predict()[:, 0]
+        own_s = sum(first.timings_s.get(k, 0.0) for k in STAGES if k != "embed_query_s")
+        predicted = np.where(np.isnan(predicted), own_s, predicted)
+        cheapest = float(predicted[allowed].min()) if allowed.any() else float("inf")
+        return allowed & (predicted <= left_s), cheapest
+
+    def answer(self, a: Attempt) -> str:
+        if self.task.fact_verification:
+            return (a.diagnosis.gated_label or Label.NOT_ENOUGH_INFO).value
+        return a.generation.response
+
+    def _repair(self, query: str, q_vec: np.ndarray, first: Attempt, allowed: np.ndarray, learn: bool,
+                spent_s: float, p_wrong: float | None = None) -> tuple[dict, Attempt]:
+        t0 = time.perf_counter()
+        d = first.diagnosis
+        remaining_s = max(0.0, self.budget.latency_s - spent_s)
+        remaining_mib = max(0.0, self.budget.device_mem_mib - first.timings_s.get("mem_growth_mib", 0.0))
+        x = self.context.build(q_vec, d.failure, d.kg, d.e_q, d.e_r, remaining_s, remaining_mib, self.budget,
+                               p_wrong=p_wrong)
+        masked = self.costs.mask(self.budget, allowed)
+        with self.state_lock:
+            if self.explorer is not None and learn:
+                decision = self.explorer.decide(self.policy, x, masked.allowed)
+                arm, propensity, explored = decision.arm, decision.propensity, decision.explored
+            else:
+                # keyed by the query when frozen: the choice does not depend on query order or worker
+                key = None if learn else query
+                arm, propensity, explored = self.policy.select(x, masked.allowed, key=key), None, False
+        policy_s = time.perf_counter() - t0
+        second, cost = self.metered_attempt(query, ARMS[arm].apply(self.default), q_vec)
+        d2 = second.diagnosis
+        r = reward(no_failure=d2.failure is FailureType.NO_FAILURE,
+                   kg_consistent=d2.kg is KGStatus.CONSISTENT,
+                   nli_entailed=d2.e_r is Entailment.ENTAILMENT,
+                   latency_s=cost.latency_s, device_mem_mib=cost.mem_growth_mib,
+                   budget=self.budget, cfg=self.reward_cfg)
+        self.costs.observe(arm, cost.latency_s, cost.mem_growth_mib)
+        t1 = time.perf_counter()
+        updates_after = None
+        if learn:
+            with self.state_lock:
+                self.policy.update(arm, x, r)
+                # the policy's update count with this one: a restart replays the logged updates
+                # its last checkpoint lacks (Runtime.replay)
+                updates_after = updates_of(self.policy)
+        policy_s += time.perf_counter() - t1
+        return {
+            "allowed": [ARM_NAMES[i] for i in np.flatnonzero(allowed)],
+            "cost_masked": [ARM_NAMES[i] for i in np.flatnonzero(allowed & ~masked.allowed)],
+            "mask_fallback": masked.fallback, "arm": ARM_NAMES[arm], "arm_index": arm,
+            "propensity": propensity, "explored": explored, "latency_s": cost.latency_s,
+            "mem_growth_mib": cost.mem_growth_mib, "memory_kind": cost.memory_kind.value,
+            "over_budget": cost.latency_s > self.budget.latency_s or cost.mem_growth_mib > self.budget.device_mem_mib,
+            "reward": r, "x": x.tolist() if learn else None, "policy_s": policy_s,
+            "is_retrieval_arm": bool(IS_RETRIEVAL[arm]), "unavailable": dict(self.arms.unavailable),
+            "policy_updates": updates_after,
+        }, second

@@ -1,0 +1,28 @@
+"""The resource-aware reward of Eq. 2."""
+
+from __future__ import annotations
+
+from d2r_edge.config import Budget, RewardConfig
+from d2r_edge.errors import PolicyError
+
+
+def reward(*, no_failure: bool, kg_consistent: bool, nli_entailed: bool, latency_s: float,
+           device_mem_mib: float, budget: Budget, cfg: RewardConfig = RewardConfig()) -> float:
+    """Eq. 2: (1/4)(1_NF + 1_KG + 2*1_NLI) * prod_x 1[x <= B_x] * (1 - x/B_x).
+
+    `cfg.gates=False` drops the hard gates ("unconstrained" ablation),
+    `cfg.cost_weighting=False` drops the (1 - x/B_x) terms ("unweighted").
+    Without gates a cost above its budget makes its weight negative; it is
+    clipped at 0 so rewards stay in [0, 1].
+    """
+    for name, value in (("latency_s", latency_s), ("device_mem_mib", device_mem_mib)):
+        if not isinstance(value, (int, float)) or value != value or value < 0:
+            raise PolicyError(f"{name} must be a number >= 0, got {value!r}")
+    quality = 0.25 * (float(no_failure) + float(kg_consistent) + 2.0 * float(nli_entailed))
+    factor = 1.0
+    for used, limit in ((latency_s, budget.latency_s), (device_mem_mib, budget.device_mem_mib)):
+        if cfg.gates and used > limit:
+            return 0.0
+        if cfg.cost_weighting:
+            factor *= max(0.0, 1.0 - used / limit)
+    return quality * factor

@@ -1,0 +1,1 @@
+"""Knowledge base, BM25 and dense retrieval, reranking."""

@@ -1,0 +1,307 @@
+"""Labeled pairs from ../shared/data for the offline NLI and reranker models.
+
+Split by a stable hash of the normalized claim / question text rather than
+the row id: FEVER repeats the same claim under several ids (one per
+annotation), and an id split leaked those duplicates into both sides. So
+validation claims never train anything, hard-negative mining included:
+negatives are mined with BM25 over a pool built from training rows only.
+
+Passages are written the way the runtime's knowledge base stores them,
+``title\\ntext``: a FEVER evidence sentence such as "He was born in 1970."
+only names its subject through the page title.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from d2r_edge.eval.datasets import fever_title
+from d2r_edge.eval.split import is_validation, normalize_text
+from d2r_edge.retrieval.bm25 import BM25Index
+from d2r_edge_export import fever_train as ft
+from d2r_edge_export.nli_general import CON, ENT, NEU, GeneralPairs, dedupe_key, load_general
+
+FILES = ("fever/dev.jsonl", "hotpotqa/dev.jsonl", "musique/dev.jsonl", "2wikimultihopqa/dev.jsonl",
+         "hotpotqa_ircot_subsample/dev.jsonl", "hotpotqa_fullwiki/dev.jsonl")
+RERANK_FEVER_NEGATIVES = 3        # BM25-mined non-gold sentences per FEVER reranker group
+
+
+_norm = normalize_text
+
+
+def fever_premise(evidence: list) -> str:
+    """FEVER evidence [(page, line, sentence)] as passages, one 'title\\nsentences' per page."""
+    pages: dict[str, list[str]] = {}
+    for page, _, sentence in evidence:
+        if sentence not in pages.setdefault(page, []):
+            pages[page].append(sentence)
+    return "\n".join(f"{fever_title(p)}\n{' '.join(s)}" for p, s in pages.items())
+
+
+_AUX = re.compile(r"\b(is|was|are|were|has|have|had|can|could|will|would|does|do|did|should|may|might|must)\b")
+_NEGATED = re.compile(r"\b(is|was|are|were|has|have|had|could|would|does|do|did|should|must) not\b|"
+                      r"\b(is|was|are|were|has|have|had|could|would|does|do|did|should|must)n't\b|"
+                      r"\b(can't|cannot|won't|never )")
+_UNCONTRACT = {"can't": "can", "cannot": "can", "won't": "will", "never ": ""}
+_NUMBER = re.compile(r"\b\d{1,4}\b")
+
+
+def toggle_negation(claim: str) -> str | None:
+    """'X is a film.' <-> 'X is not a film.'; None when the claim has no auxiliary to negate.
+
+    FEVER's annotators wrote most refutations by negating or mutating a true
+    claim, so a negation alone predicts REFUTES in the raw data (190 of 209
+    negated claims here). Flipping the negation of a claim flips its label
+    under the same evidence (SUPPORTS -> contradiction, REFUTES -> entailment),
+    which shows the model both labels with "not" in the hypothesis.
+    """
+    m = _NEGATED.search(claim)
+    if m:
+        word = m.group(0)
+        plain = _UNCONTRACT.get(word, word.removesuffix(" not").removesuffix("n't"))
+        return (claim[:m.start()] + plain + claim[m.end():]).replace("  ", " ")
+    m = _AUX.search(claim)
+    return None if m is None else f"{claim[:m.end()]} not{claim[m.end():]}"
+
+
+def swap_number(claim: str, premise: str, rng) -> str | None:
+    """A number the evidence confirms, changed: 'began in 2007' -> 'began in 2009' (contradiction)."""
+    found = [m for m in _NUMBER.finditer(claim) if re.search(rf"\b{m.group(0)}\b", premise)]
+    if not found:
+        return None
+    m = found[int(rng.integers(len(found)))]
+    n = int(m.group(0))
+    step = int(rng.integers(1, 4)) * (1 if n < 3 or rng.random() < 0.5 else -1)
+    new = str(n + step)
+    if re.search(rf"\b{new}\b", premise):
+        return None
+    return claim[:m.start()] + new + claim[m.end():]
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+@dataclass(frozen=True)
+class RerankGroup:
+    """One query with its relevant passages and the irrelevant ones from the same pool."""
+
+    query: str
+    positives: tuple[str, ...]
+    negatives: tuple[str, ...]
+
+
+@dataclass
+class PairSets:
+    nli_train: list[tuple[str, str, int]] = field(default_factory=list)
+    nli_val: list[tuple[str, str, int]] = field(default_factory=list)       # FEVER only
+    rerank_train: list[RerankGroup] = field(default_factory=list)
+    rerank_val: list[dict] = field(default_factory=list)   # HotpotQA: question, paragraphs, gold idx
+    files_sha256: dict[str, str] = field(default_factory=dict)
+    split: dict = field(default_factory=dict)
+    general: GeneralPairs | None = None     # the general-NLI stage's pairs, when asked for
+    fever_train: dict = field(default_factory=dict)   # stats of the FEVER-train pairs, when asked for
+
+
+@dataclass(frozen=True)
+class QARow:
+    source: str
+    question: str
+    paragraphs: tuple[tuple[str, str, bool], ...]      # (title, text, supporting)
+
+    def passages(self, supporting: bool | None = None) -> list[str]:
+        return [f"{t}\n{x}" for t, x, s in self.paragraphs if supporting is None or s == supporting]
+
+
+def _qa_rows(data: Path) -> list[QARow]:
+    """Questions with supporting and distractor paragraphs from the multi-hop QA samples."""
+    out = []
+    for src, name in (("hotpotqa", "hotpotqa"), ("2wiki", "2wikimultihopqa"),
+                      ("hotpotqa_fullwiki", "hotpotqa_fullwiki")):
+        for row in _rows(data / name / "dev.jsonl"):
+            support = {t for t, _ in row.get("supporting_facts") or []}
+            paras = tuple((t, "".join(s), t in support) for t, s in row["context"])
+            out.append(QARow(src, row["question"], paras))
+    for row in _rows(data / "musique" / "dev.jsonl"):
+        paras = tuple((p["title"], p["paragraph_text"], bool(p.get("is_supporting"))) for p in row["paragraphs"])
+        out.append(QARow("musique", row["question"], paras))
+    for row in _rows(data / "hotpotqa_ircot_subsample" / "dev.jsonl"):
+        paras = tuple((c["title"], c["paragraph_text"], bool(c.get("is_supporting"))) for c in row["contexts"])
+        out.append(QARow("hotpotqa_ircot", row["question_text"], paras))
+    return out
+
+
+def missing_files(data: Path) -> list[str]:
+    return [f for f in FILES if not (data / f).is_file()]
+
+
+def _mutations(rows: list[tuple[str, str, str]], real_claims: set[str], rng) -> list[tuple[str, str, int]]:
+    """One synthetic NLI pair per training FEVER claim: a number swap or a negation flip.
+
+    A mutated claim that is a real FEVER claim, or whose text falls in the
+    validation split, is dropped: annotators wrote exactly such mutations, so
+    the held-out set holds some of them.
+    """
+    out = []
+    for premise, claim, label in rows:
+        swapped = swap_number(claim, premise, rng) if label == "SUPPORTS" else None
+        if swapped is not None:
+            new, lab = swapped, CON
+        else:
+            new, lab = toggle_negation(claim), (CON if label == "SUPPORTS" else ENT)
+        if new is not None and _norm(new) not in real_claims and not is_validation(new):
+            out.append((premise, new, lab))
+    return out
+
+
+def heldout_probe(val: list[tuple[str, str, int]], seed: int = 0) -> dict[str, list[tuple[str, str, int]]]:
+    """Held-out FEVER pairs with the claim mutated by the same rules: does the model read 'not' and numbers?
+
+    Gold labels come from the rule (flip ENT <-> CON; a changed number
+    contradicts). Checked against FEVER itself: where a negation-flipped claim
+    is another real FEVER claim, the rule's label matched the annotators' on
+    51 of 63 (9 opposite, 3 NOT ENOUGH INFO).
+    """
+    import numpy as np
+
+    rng = np.random.default_rng([seed, 2])
+    out: dict[str, list[tuple[str, str, int]]] = {"negation_flipped": [], "number_swapped": []}
+    for premise, claim, lab in val:
+        if lab == NEU:
+            continue
+        flipped = toggle_negation(claim)
+        if flipped is not None:
+            out["negation_flipped"].append((premise, flipped, CON if lab == ENT else ENT))
+        swapped = swap_number(claim, premise, rng) if lab == ENT else None
+        if swapped is not None:
+            out["number_swapped"].append((premise, swapped, CON))
+    return out
+
+
+def validation_texts(fever: list[dict], qa: list[QARow]) -> set[str]:
+    """dedupe_key() of the held-out claims, their evidence sentences and the held-out questions."""
+    out = set()
+    for row in fever:
+        if is_validation(row["question"]):
+            out.add(dedupe_key(row["question"]))
+            out.update(dedupe_key(s) for _, _, s in row.get("derived_evidence_sentences") or [])
+    out.update(dedupe_key(q.question) for q in qa if is_validation(q.question))
+    return out
+
+
+@dataclass(frozen=True)
+class FeverTrainSpec:
+    """How many FEVER-train pairs join the NLI's FEVER/QA stage, and how (export/fever_train.py)."""
+
+    pairs: int = 0
+    titles: str = "subject"
+    max_sentences: int = 2
+
+
+def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
+                rerank_fever_groups: int = 400, augment: bool = True,
+                general_sources: str | None = None, fever_train: FeverTrainSpec = FeverTrainSpec()) -> PairSets:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sets = PairSets()
+    sets.files_sha256 = {f: hashlib.sha256((data / f).read_bytes()).hexdigest() for f in FILES}
+    fever = _rows(data / "fever" / "dev.jsonl")
+    qa = _qa_rows(data)
+    # the mining pool: training rows' evidence and paragraphs only
+    pool: list[str] = []
+    for row in fever:
+        if not is_validation(row["question"]):
+            pool += [fever_premise([e]) for e in row.get("derived_evidence_sentences") or []]
+    fever_sentences = list(dict.fromkeys(pool))
+    for q in qa:
+        if not is_validation(q.question):
+            pool += q.passages()
+    pool = list(dict.fromkeys(pool))
+    # the reranker's FEVER negatives are FEVER sentences, like its positives: mined from
+    # the mixed pool they were mostly long QA paragraphs, and held-out HotpotQA recall@3
+    # fell from 0.786 to 0.714 (same seed and settings, measured here)
+    indexes = {}
+    for name, texts in (("all", pool), ("fever", fever_sentences)):
+        indexes[name] = (texts, BM25Index())
+        indexes[name][1].add(texts)
+
+    def mined(query: str, exclude: set[str], n: int, among: str = "all") -> list[str]:
+        texts, index = indexes[among]
+        ids, _ = index.top_k(query, n + len(exclude) + 2)
+        return [texts[i] for i in ids if texts[i] not in exclude][:n]
+
+    fever_groups = []
+    synthetic: list[tuple[str, str, str]] = []     # training (premise, claim, label) to mutate
+    for row in fever:
+        val = is_validation(row["question"])
+        claim, label = row["question"], row["label"]
+        evidence = row.get("derived_evidence_sentences") or []
+        target = sets.nli_val if val else sets.nli_train
+        if label in ("SUPPORTS", "REFUTES") and evidence:
+            premise = fever_premise(evidence)
+            target.append((premise, claim, ENT if label == "SUPPORTS" else CON))
+            if not val and augment:
+                synthetic.append((premise, claim, label))
+            if not val:
+                gold = {fever_premise([e]) for e in evidence}
+                sets.nli_train += [(n, claim, NEU) for n in mined(claim, gold, 1)]
+                negs = mined(claim, gold, RERANK_FEVER_NEGATIVES, among="fever")
+                fever_groups.append(RerankGroup(claim, tuple(sorted(gold)), tuple(negs)))
+        elif label == "NOT ENOUGH INFO":
+            # premise: the best BM25 passage from the training pool (also for validation
+            # rows: the pool holds no validation text, so nothing leaks either way)
+            target += [(p, claim, NEU) for p in mined(claim, set(), 1)]
+    qa_groups = []
+    for q in qa:
+        pos, neg = q.passages(True), q.passages(False)
+        if is_validation(q.question):
+            if q.source.startswith("hotpotqa") and q.source != "hotpotqa_fullwiki" and pos:
+                sets.rerank_val.append({"question": q.question, "paragraphs": q.passages(),
+                                        "gold": [i for i, p in enumerate(q.paragraphs) if p[2]]})
+            continue
+        if not pos or not neg:
+            continue        # fullwiki rows whose retrieved context misses every gold page
+        qa_groups.append(RerankGroup(q.question, tuple(pos), tuple(neg)))
+        if q.source in ("hotpotqa", "2wiki", "musique"):
+            # "the passage addresses the question" for the query-entailment signal
+            sets.nli_train.append((pos[int(rng.integers(len(pos)))], q.question, ENT))
+            sets.nli_train.append((neg[int(rng.integers(len(neg)))], q.question, NEU))
+    # keep neutral from swamping the other classes (mined negatives are plentiful)
+    by = {lab: [p for p in sets.nli_train if p[2] == lab] for lab in (ENT, NEU, CON)}
+    cap = 2 * max(len(by[ENT]), len(by[CON]))
+    sets.nli_train = by[ENT] + by[CON] + [by[NEU][i] for i in rng.permutation(len(by[NEU]))[:cap]]
+    sets.nli_train = [sets.nli_train[i] for i in rng.permutation(len(sets.nli_train))]
+    fever_groups = [fever_groups[i] for i in rng.permutation(len(fever_groups))[:rerank_fever_groups]]
+    groups = qa_groups + fever_groups
+    sets.rerank_train = [groups[i] for i in rng.permutation(len(groups))]
+    if synthetic:   # own generator, drawn last: the reranker's sampling does not depend on it
+        aug = np.random.default_rng([seed, 1])
+        sets.nli_train += _mutations(synthetic, {_norm(r["question"]) for r in fever}, aug)
+        sets.nli_train = [sets.nli_train[i] for i in aug.permutation(len(sets.nli_train))]
+    held_out = validation_texts(fever, qa) if general_sources is not None or fever_train.pairs > 0 else set()
+    if general_sources is not None:
+        sets.general = load_general(data, held_out, general_sources, max_train_pairs, seed)
+    if max_train_pairs:
+        sets.nli_train = sets.nli_train[:max_train_pairs]
+        sets.rerank_train = sets.rerank_train[:max(1, max_train_pairs // 8)]
+    if fever_train.pairs > 0:       # after the cut: their number is their own setting
+        extra = ft.build(data, fever_train.pairs, held_out, titles=fever_train.titles,
+                         max_sentences=fever_train.max_sentences, seed=seed)
+        sets.files_sha256[ft.FILE] = extra.file_sha256
+        sets.fever_train = extra.stats
+        mix = np.random.default_rng([seed, 3])
+        sets.nli_train += extra.pairs
+        sets.nli_train = [sets.nli_train[i] for i in mix.permutation(len(sets.nli_train))]
+    sets.split = {"rule": "sha256(normalized claim or question text) % 100 < 20 -> validation",
+                  "validation_percent": 20,
+                  "nli_train": len(sets.nli_train), "nli_val": len(sets.nli_val),
+                  **({"nli_train_from_fever_train": sets.fever_train["pairs"]} if sets.fever_train else {}),
+                  "rerank_train_groups": len(sets.rerank_train),
+                  "rerank_val_questions": len(sets.rerank_val)}
+    return sets
