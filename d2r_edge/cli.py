@@ -65,8 +65,9 @@ def _finetune_settings(args: argparse.Namespace, preset: str = "full"):
     """The profile's preset (export.finetune.FINETUNE_PRESETS), with the flags given on top."""
     from dataclasses import replace
 
-    from d2r_edge.errors import ConfigError
     from d2r_edge_export.finetune import FINETUNE_PRESETS
+
+    from d2r_edge.errors import ConfigError
 
     if preset not in FINETUNE_PRESETS:
         raise ConfigError(f"unknown finetune preset {preset!r} in the profile; known: {', '.join(FINETUNE_PRESETS)}")

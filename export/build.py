@@ -19,6 +19,11 @@ from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
+from d2r_edge_export import convert, parity
+from d2r_edge_export.parity_data import load_parity_set
+from d2r_edge_export.sources import ResolvedSource, resolve
+from d2r_edge_export.specs import SPECS, RoleSpec, spec_for
+
 from d2r_edge.errors import ConfigError, UnknownProfileError
 from d2r_edge.onnx.manifest import (
     MANIFEST_FORMAT_VERSION,
@@ -28,10 +33,6 @@ from d2r_edge.onnx.manifest import (
     load_manifest,
     sha256_file,
 )
-from d2r_edge_export import convert, parity
-from d2r_edge_export.parity_data import load_parity_set
-from d2r_edge_export.sources import ResolvedSource, resolve
-from d2r_edge_export.specs import SPECS, RoleSpec, spec_for
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from d2r_edge_export.nli_general import CON, ENT, NEU, dedupe_key
+
 from d2r_edge.errors import ExportError
 from d2r_edge.retrieval.bm25 import BM25Index
-from d2r_edge_export.nli_general import CON, ENT, NEU, dedupe_key
 
 TITLE_MODES = ("bare", "subject", "drop")
 FILE = "fever_train/train.jsonl.gz"

@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-
-from d2r_edge.errors import ExportError
-from d2r_edge.onnx.manifest import sha256_file
 from d2r_edge_export.fever_train import FILE as FEVER_TRAIN_FILE
 from d2r_edge_export.finetune_data import FeverTrainSpec, PairSets, build_pairs, missing_files
 from d2r_edge_export.nli_general import ID2LABEL
+
+from d2r_edge.errors import ExportError
+from d2r_edge.onnx.manifest import sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from d2r_edge_export import fever_train as ft
+from d2r_edge_export.nli_general import CON, ENT, NEU, GeneralPairs, dedupe_key, load_general
+
 from d2r_edge.eval.datasets import fever_title
 from d2r_edge.eval.split import is_validation, normalize_text
 from d2r_edge.retrieval.bm25 import BM25Index
-from d2r_edge_export import fever_train as ft
-from d2r_edge_export.nli_general import CON, ENT, NEU, GeneralPairs, dedupe_key, load_general
 
 FILES = ("fever/dev.jsonl", "hotpotqa/dev.jsonl", "musique/dev.jsonl", "2wikimultihopqa/dev.jsonl",
          "hotpotqa_ircot_subsample/dev.jsonl", "hotpotqa_fullwiki/dev.jsonl")

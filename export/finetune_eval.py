@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 
 import numpy as np
+from d2r_edge_export.finetune_data import PairSets, heldout_probe
+from d2r_edge_export.nli_general import CON, ENT, ID2LABEL, NEU
 
 from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
 from d2r_edge.onnx.manifest import Manifest, Variant
 from d2r_edge.retrieval.bm25 import BM25Index
-from d2r_edge_export.finetune_data import PairSets, heldout_probe
-from d2r_edge_export.nli_general import CON, ENT, ID2LABEL, NEU
 
 _WORD = re.compile(r"\w+")
 _NEG = {"not", "no", "never", "nor", "none", "nobody", "nothing", "only", "incapable", "unable", "refused",

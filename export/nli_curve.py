@@ -19,7 +19,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-
 from d2r_edge_export.finetune import FINETUNE_PRESETS
 from d2r_edge_export.finetune_data import build_pairs
 from d2r_edge_export.finetune_eval import _f1s

@@ -10,14 +10,14 @@ import logging
 from pathlib import Path
 
 import numpy as np
+from d2r_edge_export.parity_data import DEFAULT_DATA_DIR, ParitySet  # noqa: F401 (re-exported)
+from d2r_edge_export.specs import RoleSpec
 
 from d2r_edge.errors import ParityError
 from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
 from d2r_edge.onnx.manifest import Manifest, Role, Variant
 from d2r_edge.onnx.seq2seq import Seq2SeqModel
 from d2r_edge.onnx.session import Device, SessionConfig
-from d2r_edge_export.parity_data import DEFAULT_DATA_DIR, ParitySet  # noqa: F401 (re-exported)
-from d2r_edge_export.specs import RoleSpec
 
 log = logging.getLogger(__name__)
 

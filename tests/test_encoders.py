@@ -100,8 +100,9 @@ def test_int8_nli_rescores_exactly_its_near_ties_in_fp32(tiny_models, shared_dat
     import json
     import shutil
 
-    from d2r_edge.onnx.encoders import top2_margin
     from d2r_edge_export.parity_data import load_parity_set
+
+    from d2r_edge.onnx.encoders import top2_margin
 
     pairs = load_parity_set(shared_data, n_pairs=24).pairs
     prof = tmp_path / "tiny"

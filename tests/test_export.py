@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from d2r_edge_export.convert import count_quantized_nodes
 
 from d2r_edge.onnx.manifest import Role, Variant, load_manifest, sha256_file
-from d2r_edge_export.convert import count_quantized_nodes
 
 pytestmark = pytest.mark.export
 

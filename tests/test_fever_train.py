@@ -6,7 +6,6 @@ import gzip
 import json
 
 import pytest
-
 from d2r_edge_export.fever_train import CON, ENT, FILE, NEU, build, claim_subject, names
 from d2r_edge_export.finetune_data import _qa_rows, _rows, validation_texts
 from d2r_edge_export.nli_general import dedupe_key

@@ -6,9 +6,9 @@ import gzip
 import json
 
 import pytest
+from d2r_edge_export.nli_general import HELDOUT_PAIRS_PER_GROUP, dedupe_key, load_general, parse_sources
 
 from d2r_edge.errors import ExportError
-from d2r_edge_export.nli_general import HELDOUT_PAIRS_PER_GROUP, dedupe_key, load_general, parse_sources
 
 
 def _write(tmp_path, rows):

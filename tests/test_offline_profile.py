@@ -76,7 +76,6 @@ def test_pairs_carry_titles_and_reranker_groups_are_clean(shared_data):
 
 def test_synthetic_nli_pairs_flip_labels_and_stay_out_of_validation(shared_data):
     import numpy as np
-
     from d2r_edge_export.finetune_data import (
         CON,
         ENT,
@@ -201,10 +200,9 @@ def test_training_is_cached(small_offline, shared_data, monkeypatch):
 
 def test_a_role_starts_from_the_other_roles_encoder_with_a_new_head(small_offline):
     import torch
-    from safetensors.torch import load_file
-
     from d2r_edge_export.finetune import FinetuneSettings, _model
     from d2r_edge_export.nli_general import ID2LABEL
+    from safetensors.torch import load_file
 
     _, out, _ = small_offline
     rr_dir = next((out / ".cache" / "finetune").glob("reranker-*[0-9a-f]"))
@@ -242,10 +240,11 @@ def test_cli_export_flags_reach_the_training_settings():
 
 def test_heldout_limit_spreads_over_each_held_out_set_and_reaches_the_build(monkeypatch, tmp_path):
     pytest.importorskip("torch")
-    from d2r_edge.cli import main
     from d2r_edge_export import build
     from d2r_edge_export.finetune_data import PairSets
     from d2r_edge_export.nli_general import GeneralPairs
+
+    from d2r_edge.cli import main
 
     rows = [(f"p{i}", f"h{i}", i // 10) for i in range(30)]          # labels in runs of 10
     assert build.spread(rows, 6) == [rows[i] for i in (0, 5, 10, 15, 20, 25)]

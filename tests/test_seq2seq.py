@@ -20,10 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def eos_prone(tmp_path_factory):
     """A tiny REBEL-shaped BART whose EOS bias ends beams at different steps."""
     torch = pytest.importorskip("torch")
-    from transformers import BartForConditionalGeneration
-
     from d2r_edge_export.build import ExportRequest, run_export
     from d2r_edge_export.tiny import build_random_model
+    from transformers import BartForConditionalGeneration
 
     warnings.filterwarnings("ignore")
     logging.getLogger("optimum").setLevel(logging.ERROR)
