@@ -160,6 +160,14 @@ class HangingServer:
         self._sock.close()
 
 
+def longer(ci: int, full: int) -> int:
+    """How many times the default examples a `slow` fuzz search runs: `full` under `.ci/run --full`
+    (D2R_FULL=1), else `ci`."""
+    import os
+
+    return full if os.environ.get("D2R_FULL") == "1" else ci
+
+
 def search_longer(test_file: str, examples: int, *extra_args: str, **env: str) -> None:
     """Run a fuzz module's default properties again in a fresh pytest with `examples` per property (the
     `slow` step's longer search); fails with the output's tail when any property fails."""
