@@ -71,7 +71,12 @@ def peak_rss_mib(kind: str, models_dir: Path, how: str) -> float:
 def _torch_checkpoint(models_dir: Path, role: str) -> Path:
     raw = json.loads((models_dir / "manifest.json").read_text())["roles"][role]["source"]["spec"]
     name = raw.removeprefix("random:")
-    return next((models_dir.parent / ".cache" / "random").glob(f"{name}-seed*"))
+    found = sorted((models_dir.parent / ".cache" / "random").glob(f"{name}-seed*"))
+    if not found:
+        raise FileNotFoundError(f"no PyTorch checkpoint of {raw!r} under {models_dir.parent / '.cache' / 'random'}: "
+                                "the reference path needs the export's random-weight checkpoints; re-export the "
+                                "profile (bash .ci/models keeps .cache/random)")
+    return found[0]
 
 
 class TorchNLI:

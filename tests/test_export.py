@@ -30,6 +30,18 @@ def test_manifest_lists_all_roles_with_verified_files(tiny_models):
     assert raw["tools"]["torch"].startswith("2.13")
 
 
+def test_random_roles_keep_their_pytorch_checkpoint(tiny_models):
+    """The benchmarks' PyTorch reference loads these; in CI tiny_models is the build .ci/models
+    shares between steps, so a cache that pruned them fails here, not in a later step."""
+    raw = json.loads((tiny_models / "manifest.json").read_text())["roles"]
+    random_specs = [r["source"]["spec"].removeprefix("random:") for r in raw.values()
+                    if r["source"]["spec"].startswith("random:")]
+    assert len(random_specs) == 3
+    for name in random_specs:
+        found = list((tiny_models.parent / ".cache" / "random").glob(f"{name}-seed*"))
+        assert len(found) == 1 and (found[0] / "config.json").is_file(), name
+
+
 def test_weights_flags_and_labels(tiny_models):
     raw = json.loads((tiny_models / "manifest.json").read_text())["roles"]
     assert raw["nli"]["weights"] == "random"
