@@ -1,1 +1,0 @@
-"""Datasets and retrieval/answer metrics."""

@@ -1,1 +1,0 @@
-"""The knowledge-graph consistency signal: triples from the KB, checked against the response's."""

@@ -1,1 +1,0 @@
-"""Knowledge base, BM25 and dense retrieval, reranking."""
