@@ -234,18 +234,20 @@ def fit_detector_on_queries(pipeline: Pipeline, queries, path: Path) -> Detector
     from d2r_edge.runner import correct
 
     fv = pipeline.task.fact_verification
-    attempts, wrong = [], []
+    attempts, wrong, texts = [], [], []
     for q in queries:
         gold = {"label": q.label, "answer": q.answer}
         if (q.label if fv else q.answer) is None:
             continue
         a, _ = pipeline.metered_attempt(q.text, pipeline.default, pipeline.retriever.embed(q.text), metered=False)
         attempts.append(a)
+        texts.append(q.text)
         wrong.append(not correct(pipeline.task, gold, first_answer(fv, a)))
     if not attempts:
         raise ConfigError("--gate calibrated fits its detector on labeled queries (FEVER label / QA answer), "
                           "and none of the training queries has one; add labels or use --gate paper")
-    det = Detector.fit(feature_matrix(attempts, fv), np.array(wrong), feature_names(fv), pipeline.task.value)
+    det = Detector.fit(feature_matrix(attempts, fv), np.array(wrong), feature_names(fv), pipeline.task.value,
+                       keys=texts)
     det.save(path)
     log.info("detector fitted on %d labeled queries (%d wrong first answers), threshold %.3f: %s",
              len(attempts), sum(wrong), det.threshold, path)

@@ -13,18 +13,29 @@ Newton steps with an L2 penalty on standardized features) over
   normalized answer occurs in a passage and the best passage's share of the
   answer's tokens;
 - the KG check: conflict / consistent;
-- the generator's own confidence: mean and min log-probability of the answer's
-  tokens, where the server returns them (OpenAI-compatible `logprobs`). A
-  generator that gives none (the extractive one, a server without logprobs, a
-  cached answer from before) has them *missing*: `gen_logprobs_present` is 0
-  and the two values are NaN in the signals, replaced at scoring time by the
-  training mean of the present ones (0 if none was present), never invented
-  per answer.
+- the generator's own confidence: the log-probability of the answer's first
+  token (where a FEVER label's decision sits), their sum and their minimum,
+  where the server returns them (OpenAI-compatible `logprobs`). Not the mean:
+  it is confounded by the answer's token count (NOT ENOUGH INFO is 4 tokens,
+  REFUTES 2). A generator that gives none (the extractive one, a server
+  without logprobs, a cached answer from before), or an answer that cannot be
+  located among the completion's tokens, has them *missing*:
+  `gen_logprobs_present` is 0 and the values are NaN in the signals, replaced
+  at scoring time by the training mean of the present ones (0 if none was
+  present), never invented per answer.
 
 Fitted by `d2r-edge eval answers` and `d2r-edge train --gate calibrated` on
 training queries (label: the first answer was wrong), saved as JSON with its
 feature list, version and fit statistics; loading refuses a file whose features
-are not the ones this code computes for the task.
+are not the ones this code computes for the task. Everything chosen from the
+training queries is chosen out of fold (stratified k-fold, averaged over
+several fold seeds): the L2 penalty (by out-of-fold log-loss, unless given) and
+the threshold (the out-of-fold P(wrong) with the best balanced accuracy). The
+fit statistics hold only out-of-fold figures: an in-sample one flatters a
+model fitted on ~100 queries. The out-of-fold P(wrong) of each training query
+is kept in memory (`out_of_fold`, keyed by query text) so that a policy trained
+on those queries sees what it will see at test time, not the over-confident
+in-sample value.
 
 The gate (`Gate`): `paper` repairs what Algorithm 1 flags; `calibrated` repairs
 when P(wrong) >= the detector's threshold (chosen on the training queries) and
@@ -46,14 +57,15 @@ from d2r_edge.answers import FEVER_CLASSES, normalize_answer
 from d2r_edge.errors import ConfigError
 from d2r_edge.signals import KGStatus
 
-FORMAT = "d2r-edge-detector/2"
+FORMAT = "d2r-edge-detector/3"
 _COMMON = ("q_ent_max", "q_con_max", "q_neu_min", "q_ent_mean", "q_con_mean", "q_margin_top", "q_bearing_share",
            "r_ent_max", "r_con_max", "r_neu_min", "r_ent_mean", "r_con_mean", "r_margin_top", "r_entailing_share",
            "ret_top1", "ret_gap", "n_passages", "answer_len_log", "kg_conflict", "kg_consistent",
-           "gen_logprobs_present", "gen_logprob_mean", "gen_logprob_min")
+           "gen_logprobs_present", "gen_logprob_first", "gen_logprob_sum", "gen_logprob_min")
 REFIT = "refit it (d2r-edge train --gate calibrated, or d2r-edge eval answers)"
 # NaN when the generator gave no log-probabilities (imputed at scoring time, see the module docstring)
-MAY_BE_MISSING = ("gen_logprob_mean", "gen_logprob_min")
+MAY_BE_MISSING = ("gen_logprob_first", "gen_logprob_sum", "gen_logprob_min")
+L2_GRID = (0.1, 1.0, 10.0, 100.0, 1000.0)     # candidates for the penalty, chosen by out-of-fold log-loss
 
 
 class Gate(str, Enum):
@@ -105,7 +117,8 @@ def features(attempt, fact_verification: bool) -> dict[str, float]:
     out["kg_consistent"] = float(d.kg is KGStatus.CONSISTENT)
     lp = getattr(attempt.generation, "logprobs", None)
     out["gen_logprobs_present"] = float(bool(lp))
-    out["gen_logprob_mean"] = float(np.mean(lp)) if lp else math.nan
+    out["gen_logprob_first"] = float(lp[0]) if lp else math.nan
+    out["gen_logprob_sum"] = float(np.sum(lp)) if lp else math.nan
     out["gen_logprob_min"] = float(np.min(lp)) if lp else math.nan
     if fact_verification:
         label = attempt.generation.label.value if attempt.generation.label is not None else "NOT ENOUGH INFO"
@@ -137,6 +150,113 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.clip(z, -35, 35)))
 
 
+class _NoConvergence(ArithmeticError):
+    pass
+
+
+def _standardized(x: np.ndarray, present: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x with missing values imputed by the column mean of the present ones, impute, mean, scale)."""
+    impute = np.array([float(x[present[:, j], j].mean()) if present[:, j].any() else 0.0
+                       for j in range(x.shape[1])])
+    x = np.where(present, x, impute)
+    mean, scale = x.mean(axis=0), x.std(axis=0)
+    scale[scale < 1e-9] = 1.0
+    return x, impute, mean, scale
+
+
+def _newton(z: np.ndarray, y: np.ndarray, l2: float, iterations: int) -> tuple[np.ndarray, int]:
+    """Weights (bias last, not penalized) minimizing the L2-penalized log-loss; raises _NoConvergence."""
+    w = np.zeros(z.shape[1])
+    reg = np.full(z.shape[1], l2)
+    reg[-1] = 0.0
+    for it in range(1, iterations + 1):
+        p = _sigmoid(z @ w)
+        grad = z.T @ (p - y) + reg * w
+        hess = (z * (p * (1 - p))[:, None]).T @ z + np.diag(reg) + 1e-9 * np.eye(len(w))
+        step = np.linalg.solve(hess, grad)
+        w -= step
+        if not np.all(np.isfinite(w)):
+            raise _NoConvergence("non-finite weights")
+        if np.max(np.abs(step)) < 1e-8:
+            return w, it
+    raise _NoConvergence(f"no convergence in {iterations} Newton steps")
+
+
+def _fit_arrays(x: np.ndarray, y: np.ndarray, l2: float, iterations: int):
+    present = ~np.isnan(x)
+    xf, impute, mean, scale = _standardized(x, present)
+    z = np.hstack([(xf - mean) / scale, np.ones((len(xf), 1))])
+    w, steps = _newton(z, y, l2, iterations)
+    return mean, scale, w, impute, present, steps
+
+
+def _predict(x: np.ndarray, mean, scale, w, impute) -> np.ndarray:
+    x = np.where(np.isnan(x), impute, x)
+    return _sigmoid(((x - mean) / scale) @ w[:-1] + w[-1])
+
+
+def stratified_folds(wrong: np.ndarray, folds: int, seed: int) -> np.ndarray:
+    """A fold index per row, each class spread evenly over the folds in a seeded order."""
+    fold = np.empty(len(wrong), dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    for cls in (False, True):
+        idx = np.flatnonzero(np.asarray(wrong, dtype=bool) == cls)
+        fold[rng.permutation(idx)] = np.arange(len(idx)) % folds
+    return fold
+
+
+def out_of_fold(x: np.ndarray, wrong: np.ndarray, l2: float, folds: int, seeds: int,
+                iterations: int = 50) -> np.ndarray:
+    """Each row's P(wrong) from fits that did not see it, averaged over `seeds` stratified splits.
+    Raises _NoConvergence when a fold's fit does not converge."""
+    y = np.asarray(wrong, dtype=np.float64)
+    total = np.zeros(len(y))
+    for seed in range(seeds):
+        fold = stratified_folds(y == 1, folds, seed)
+        for k in range(folds):
+            held = fold == k
+            mean, scale, w, impute, _, _ = _fit_arrays(x[~held], y[~held], l2, iterations)
+            total[held] += _predict(x[held], mean, scale, w, impute)
+    return total / seeds
+
+
+def _log_loss(p: np.ndarray, y: np.ndarray) -> float:
+    return float(-np.mean(y * np.log(np.clip(p, 1e-12, 1)) + (1 - y) * np.log(np.clip(1 - p, 1e-12, 1))))
+
+
+def best_balanced_threshold(p: np.ndarray, wrong: np.ndarray) -> tuple[float, float]:
+    """(threshold, balanced accuracy): the value of `p` itself (no rounding: compared like with like)
+    at which flagging p >= threshold best separates wrong from right."""
+    p, y = np.asarray(p, dtype=np.float64), np.asarray(wrong, dtype=bool)
+    cands = np.unique(p)
+    bal = [(np.mean(p[y] >= t) + np.mean(p[~y] < t)) / 2 for t in cands]
+    i = int(np.argmax(bal))
+    return float(cands[i]), float(bal[i])
+
+
+def _checked(x, wrong, names) -> tuple[np.ndarray, np.ndarray]:
+    """The fit's inputs, refused when they cannot give a meaningful fit (with the reason)."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(wrong, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] != len(names) or y.ndim != 1 or len(y) != len(x):
+        raise ConfigError(f"detector fit: {x.shape} features for {len(names)} names and {y.shape} labels")
+    if not np.all((y == 0) | (y == 1)):
+        raise ConfigError("detector fit: the labels must be 0 (right) or 1 (wrong)")
+    bad = [n for j, n in enumerate(names) if np.isinf(x[:, j]).any()
+           or (n not in MAY_BE_MISSING and np.isnan(x[:, j]).any())]
+    if bad:
+        raise ConfigError(f"detector fit: non-finite values in {', '.join(bad)} (only {', '.join(MAY_BE_MISSING)} "
+                          f"may be missing); fix the attempts that produced them")
+    if len(y) < 10 or y.min() == y.max():
+        raise ConfigError(f"detector fit needs right and wrong answers among >= 10 training queries "
+                          f"(got {len(y)}, {int(y.sum())} wrong); give more --train queries")
+    if min(y.sum(), len(y) - y.sum()) < 2:
+        raise ConfigError(f"detector fit needs >= 2 right and >= 2 wrong training answers to choose its threshold "
+                          f"out of fold (got {int(len(y) - y.sum())} right, {int(y.sum())} wrong); give more "
+                          f"--train queries")
+    return x, y
+
+
 @dataclass
 class Detector:
     """Logistic regression on standardized features; `threshold`: P(wrong) at which the gate repairs."""
@@ -150,6 +270,8 @@ class Detector:
     threshold: float
     fit_stats: dict = field(default_factory=dict)
     impute: np.ndarray | None = None      # the value a missing (NaN) feature takes; None: 0
+    # training query text -> its out-of-fold P(wrong); in memory only (see the module docstring)
+    out_of_fold: dict[str, float] = field(default_factory=dict, repr=False)
 
     def _filled(self, x: np.ndarray) -> np.ndarray:
         x = np.array(x, dtype=np.float64)
@@ -160,55 +282,62 @@ class Detector:
         return x
 
     def p_wrong_many(self, x: np.ndarray) -> np.ndarray:
-        return _sigmoid(((self._filled(x) - self.mean) / self.scale) @ self.weights + self.bias)
+        x = self._filled(x)
+        if not np.all(np.isfinite(x)):
+            cols = sorted({self.names[j] for j in np.flatnonzero(~np.isfinite(x).all(axis=0))})
+            raise ValueError(f"detector: infinite feature value(s) in {', '.join(cols)}; P(wrong) is undefined")
+        return _sigmoid(((x - self.mean) / self.scale) @ self.weights + self.bias)
 
-    def assess(self, attempt, fact_verification: bool) -> tuple[float, dict[str, float]]:
-        """P(wrong) of one attempt and the signals behind it (missing ones NaN)."""
+    def assess(self, attempt, fact_verification: bool, training_query: str | None = None) -> tuple[float, dict]:
+        """P(wrong) of one attempt and the signals behind it (missing ones NaN). `training_query`: the
+        query's text while a policy trains; a query the detector was fitted on then gets its
+        out-of-fold P(wrong)."""
         signals = features(attempt, fact_verification)
+        if training_query is not None and training_query in self.out_of_fold:
+            return self.out_of_fold[training_query], signals
         row = np.array([[signals[n] for n in self.names]], dtype=np.float64)
         return float(self.p_wrong_many(row)[0]), signals
 
     @classmethod
-    def fit(cls, x: np.ndarray, wrong: np.ndarray, names: tuple[str, ...], task: str, l2: float = 1.0,
-            iterations: int = 50) -> "Detector":
-        """Newton's method on the L2-penalized log-loss; the threshold maximizes balanced accuracy on the fit data."""
-        x = np.asarray(x, dtype=np.float64)
-        y = np.asarray(wrong, dtype=np.float64)
-        if x.ndim != 2 or x.shape[1] != len(names) or len(y) != len(x):
-            raise ConfigError(f"detector fit: {x.shape} features for {len(names)} names and {len(y)} labels")
-        if len(y) < 10 or y.min() == y.max():
-            raise ConfigError(f"detector fit needs right and wrong answers among >= 10 training queries "
-                              f"(got {len(y)}, {int(y.sum())} wrong); give more --train queries")
-        present = ~np.isnan(x)
-        impute = np.array([float(x[present[:, j], j].mean()) if present[:, j].any() else 0.0
-                           for j in range(x.shape[1])])
-        x = np.where(present, x, impute)
-        mean = x.mean(axis=0)
-        scale = x.std(axis=0)
-        scale[scale < 1e-9] = 1.0
-        z = np.hstack([(x - mean) / scale, np.ones((len(x), 1))])
-        w = np.zeros(z.shape[1])
-        reg = np.full(z.shape[1], l2)
-        reg[-1] = 0.0                                 # the bias is not penalized
-        for _ in range(iterations):
-            p = _sigmoid(z @ w)
-            grad = z.T @ (p - y) + reg * w
-            hess = (z * (p * (1 - p))[:, None]).T @ z + np.diag(reg) + 1e-9 * np.eye(len(w))
-            step = np.linalg.solve(hess, grad)
-            w -= step
-            if np.max(np.abs(step)) < 1e-8:
-                break
-        p = _sigmoid(z @ w)
-        cands = np.unique(np.round(p, 6))
-        bal = [(np.mean(p[y == 1] >= t) + np.mean(p[y == 0] < t)) / 2 for t in cands]
-        t = float(cands[int(np.argmax(bal))])
-        loss = float(-np.mean(y * np.log(np.clip(p, 1e-12, 1)) + (1 - y) * np.log(np.clip(1 - p, 1e-12, 1))))
-        stats = {"n": int(len(y)), "n_wrong": int(y.sum()), "l2": l2, "log_loss": loss,
-                 "balanced_accuracy_at_threshold": float(max(bal)),
-                 "threshold_rule": "max balanced accuracy on fit data"}
+    def fit(cls, x: np.ndarray, wrong: np.ndarray, names: tuple[str, ...], task: str, l2: float | None = None,
+            iterations: int = 50, folds: int = 5, seeds: int = 3,
+            keys: list[str] | None = None) -> "Detector":
+        """Newton's method on the L2-penalized log-loss. `l2` None: chosen from L2_GRID by out-of-fold
+        log-loss; the threshold: the out-of-fold P(wrong) with the best balanced accuracy (stratified
+        `folds`-fold, averaged over `seeds` splits). `keys`: each row's query text, for `out_of_fold`."""
+        x, y = _checked(x, wrong, names)
+        if keys is not None and len(keys) != len(y):
+            raise ConfigError(f"detector fit: {len(keys)} keys for {len(y)} rows")
+        k = int(min(folds, y.sum(), len(y) - y.sum()))
+        grid = L2_GRID if l2 is None else (float(l2),)
+        tried: dict[float, tuple[float, np.ndarray]] = {}
+        for value in grid:
+            try:
+                oof = out_of_fold(x, y, value, k, seeds, iterations)
+            except _NoConvergence:
+                continue
+            tried[value] = (_log_loss(oof, y), oof)
+        if not tried:
+            raise ConfigError(f"detector fit: Newton's method did not converge in {iterations} steps with l2 "
+                              f"{', '.join(map(str, grid))}; give a larger l2 or more training queries")
+        chosen = min(tried, key=lambda v: (tried[v][0], -v))       # ties: the stronger penalty
+        loss_oof, oof = tried[chosen]
+        try:
+            mean, scale, w, impute, present, steps = _fit_arrays(x, y, chosen, iterations)
+        except _NoConvergence as exc:
+            raise ConfigError(f"detector fit: {exc} (l2 {chosen}); give a larger l2 or more training "
+                              f"queries") from None
+        t, bal = best_balanced_threshold(oof, y)
+        stats = {"n": int(len(y)), "n_wrong": int(y.sum()), "l2": chosen,
+                 "l2_rule": "given" if l2 is not None else f"min out-of-fold log-loss over {list(L2_GRID)}",
+                 "l2_out_of_fold_log_loss": {str(v): round(tried[v][0], 6) for v in tried},
+                 "newton_steps": steps, "folds": k, "fold_seeds": seeds,
+                 "out_of_fold_log_loss": loss_oof, "out_of_fold_balanced_accuracy_at_threshold": bal,
+                 "threshold_rule": "max balanced accuracy of the out-of-fold P(wrong)"}
         stats["missing_share"] = {n: float(1 - present[:, j].mean()) for j, n in enumerate(names)
                                   if n in MAY_BE_MISSING}
-        return cls(tuple(names), task, mean, scale, w[:-1], float(w[-1]), t, stats, impute)
+        return cls(tuple(names), task, mean, scale, w[:-1], float(w[-1]), t, stats, impute,
+                   dict(zip(keys, map(float, oof))) if keys is not None else {})
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "task": self.task, "features": list(self.names), "mean": self.mean.tolist(),

@@ -89,21 +89,23 @@ class Pipeline:
     # the policy (select/update) and a refresh, when queries run in parallel threads
     state_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
-    def assess(self, first: Attempt) -> tuple[bool, float | None, dict | None]:
+    def assess(self, first: Attempt, training_query: str | None = None) -> tuple[bool, float | None, dict | None]:
         """(repair this first answer?, P(wrong), the signals behind it). `paper`: Alg. 1 named a
-        failure; `calibrated`: P(wrong) >= the detector's threshold, whatever Alg. 1 said."""
+        failure; `calibrated`: P(wrong) >= the detector's threshold, whatever Alg. 1 said.
+        `training_query`: the query, while a policy learns from it: a query the detector was fitted
+        on gets its out-of-fold P(wrong) (Detector.assess), as a test query would."""
         if self.detector is None:
             if self.gate is Gate.CALIBRATED:
                 raise ConfigError("the calibrated gate needs a fitted detector: give --detector FILE (train "
                                   "--gate calibrated writes one beside the policy), or use --gate paper")
             return first.diagnosis.failure is not FailureType.NO_FAILURE, None, None
-        p, signals = self.detector.assess(first, self.task.fact_verification)
+        p, signals = self.detector.assess(first, self.task.fact_verification, training_query)
         if self.gate is Gate.CALIBRATED:
             return p >= self.detector.threshold, p, signals
         return first.diagnosis.failure is not FailureType.NO_FAILURE, p, signals
 
-    def repairs(self, first: Attempt) -> bool:
-        return self.assess(first)[0]
+    def repairs(self, first: Attempt, training_query: str | None = None) -> bool:
+        return self.assess(first, training_query)[0]
 
     def allowed(self, first: Diagnosis) -> np.ndarray:
         """The arms that may repair this first answer: the UNVERIFIED rule and the loaded models."""
@@ -185,7 +187,7 @@ class Pipeline:
         first, _ = self.metered_attempt(query, self.default, q_vec, metered=False)
         first.timings_s["embed_query_s"] = first.timings_s.get("embed_query_s", embed_s)
         rec = {"first": first.summary(), "failure": first.diagnosis.failure.value, "repair": None}
-        repair, p_wrong, signals = self.assess(first)
+        repair, p_wrong, signals = self.assess(first, query if learn else None)
         rec["gate"] = self.gate.value
         if p_wrong is not None:   # missing signals (no log-probabilities) are recorded as null
             rec["p_wrong"] = p_wrong

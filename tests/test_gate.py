@@ -152,7 +152,7 @@ def test_missing_logprobs_are_marked_missing_and_imputed_from_training(tmp_path)
     assert f["gen_logprobs_present"] == 0.0 and all(math.isnan(f[n]) for n in MAY_BE_MISSING)
     f = features(_attempt((-0.1, -2.0, -0.3)), fact_verification=False)
     assert f["gen_logprobs_present"] == 1.0 and f["gen_logprob_min"] == -2.0
-    assert f["gen_logprob_mean"] == pytest.approx(-0.8)
+    assert f["gen_logprob_first"] == -0.1 and f["gen_logprob_sum"] == pytest.approx(-2.4)
     # a fit where confident answers are right and unsure ones wrong; a third give no log-probabilities
     rng = np.random.default_rng(0)
     attempts, wrong = [], []
@@ -163,8 +163,8 @@ def test_missing_logprobs_are_marked_missing_and_imputed_from_training(tmp_path)
         wrong.append(bad)
     x = feature_matrix(attempts, False)
     det = Detector.fit(x, np.array(wrong), feature_names(False), "qa")
-    j = det.names.index("gen_logprob_mean")
-    assert det.fit_stats["missing_share"]["gen_logprob_mean"] == pytest.approx(1 / 3)
+    j = det.names.index("gen_logprob_first")
+    assert det.fit_stats["missing_share"]["gen_logprob_first"] == pytest.approx(1 / 3)
     assert det.impute[j] == pytest.approx(np.nanmean(x[:, j]))
     p = det.p_wrong_many(x)
     present = ~np.isnan(x[:, j])
@@ -174,8 +174,8 @@ def test_missing_logprobs_are_marked_missing_and_imputed_from_training(tmp_path)
     back = Detector.load(tmp_path / "d.json", fact_verification=False)
     np.testing.assert_allclose(back.p_wrong_many(x), p)
     raw = json.loads((tmp_path / "d.json").read_text())
-    assert raw["format"] == "d2r-edge-detector/2" and "gen_logprob_min" in raw["features"]
-    raw["format"] = "d2r-edge-detector/1"       # a file of the version without these features
+    assert raw["format"] == "d2r-edge-detector/3" and "gen_logprob_min" in raw["features"]
+    raw["format"] = "d2r-edge-detector/2"       # a file of the version with the mean log-prob
     (tmp_path / "old.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="refit"):
         Detector.load(tmp_path / "old.json", fact_verification=False)
@@ -193,10 +193,11 @@ def _lp_reply(content: str, tokens: list[tuple[str, float]] | None) -> dict:
 
 
 def test_answer_logprobs_are_the_answer_tokens_only():
-    toks = (('{"', -0.01), ("answer", -0.02), ('":', -0.01), (' "', -0.05), ("Par", -1.5), ("is", -0.5),
-            ('"}', -0.01))
+    toks = tuple((t.encode(), lp) for t, lp in (('{"', -0.01), ("answer", -0.02), ('":', -0.01), (' "', -0.05),
+                                                  ("Par", -1.5), ("is", -0.5), ('"}', -0.01)))
     assert answer_logprobs(toks, "Paris") == (-1.5, -0.5)
-    assert answer_logprobs(toks, "London") == tuple(lp for _, lp in toks)     # not found: every token
+    # not found: missing (it was every token, the scaffolding's near-certain ones passing for confidence)
+    assert answer_logprobs(toks, "London") is None
     assert answer_logprobs(None, "Paris") is None
     assert token_logprobs({"message": {}}) is None
     assert token_logprobs({"logprobs": {"content": [{"token": "a"}]}}) is None        # unreadable: missing
@@ -235,3 +236,201 @@ def test_stored_attempts_keep_their_logprobs():
     chunks = [{"chunk_id": 0, "doc_id": "d", "title": "T", "text": "Paris is in France"}]
     assert attempt_from_json(attempt_to_json(a), chunks).generation.logprobs == (-0.5, -1.0)
     assert attempt_from_json(attempt_to_json(_attempt(None)), chunks).generation.logprobs is None
+
+
+def test_answer_logprobs_match_decoded_bytes_and_json_escapes():
+    # "Café": the é (c3 a9) split over two tokens whose `token` strings are replacement characters
+    reply = _lp_reply('{"answer": "Café"}', [('{"answer": "', -0.01), ("Caf", -0.3), ("\ufffd", -0.9),
+                                              ("\ufffd", -0.05), ('"}', -0.01)])
+    items = reply["choices"][0]["logprobs"]["content"]
+    items[2]["bytes"], items[3]["bytes"] = [0xC3], [0xA9]
+    toks = token_logprobs(reply["choices"][0])
+    assert answer_logprobs(toks, "Café") == (-0.3, -0.9, -0.05)
+    # a quote inside the answer is escaped in the raw JSON
+    raw = [('{"answer": "', -0.01), ("He said ", -0.2), ('\\"', -0.4), ("hi", -0.6), ('\\""}', -0.01)]
+    assert answer_logprobs(tuple((t.encode(), lp) for t, lp in raw), 'He said "hi"') == (-0.2, -0.4, -0.6, -0.01)
+    # a label the model wrote in lower case is found; the first token is the decision
+    low = tuple((t.encode(), lp) for t, lp in (('{"label": "', -0.01), ("sup", -1.2), ("ports", -0.02), ('"}', 0.0)))
+    assert answer_logprobs(low, "SUPPORTS") == (-1.2, -0.02)
+
+
+def test_first_token_logprob_not_the_mean_which_counts_tokens():
+    names = feature_names(True)
+    assert "gen_logprob_mean" not in names and {"gen_logprob_first", "gen_logprob_sum"} <= set(names)
+    # two answers equally sure of their decision: the mean differs with the label's token count, the first not
+    nei = features(_attempt((-0.7, -0.01, -0.01, -0.01)), fact_verification=False)
+    ref = features(_attempt((-0.7, -0.01)), fact_verification=False)
+    assert nei["gen_logprob_first"] == ref["gen_logprob_first"] == -0.7
+
+
+# --- the detector's fit: chosen out of fold, refused on what cannot be fitted
+
+
+def _noise(n=60, seed=0):
+    names = feature_names(False)
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, len(names)))
+    x[:, [names.index(m) for m in MAY_BE_MISSING]] = rng.normal(size=(n, len(MAY_BE_MISSING)))
+    return x, np.arange(n) % 2 == 0, names
+
+
+def test_threshold_is_chosen_and_scored_out_of_fold():
+    from d2r_edge.detector import best_balanced_threshold, out_of_fold
+
+    x, y, names = _noise()
+    det = Detector.fit(x, y, names, "qa", l2=0.1, keys=[f"q{i}" for i in range(len(y))])
+    s = det.fit_stats
+    assert "balanced_accuracy_at_threshold" not in s and "out of fold" in s["threshold_rule"].replace("-", " ")
+    oof = out_of_fold(x, y.astype(float), 0.1, s["folds"], s["fold_seeds"])
+    assert det.threshold == best_balanced_threshold(oof, y)[0]
+    # on pure noise the in-sample fit separates the 60 queries; out of fold it is near chance
+    p_in = det.p_wrong_many(x)
+    assert best_balanced_threshold(p_in, y)[1] > 0.8
+    assert s["out_of_fold_balanced_accuracy_at_threshold"] < 0.75
+    assert det.out_of_fold == {f"q{i}": pytest.approx(v) for i, v in enumerate(oof)}
+    # the penalty, when not given, is the grid's value with the lowest out-of-fold log-loss
+    auto = Detector.fit(x, y, names, "qa")
+    losses = auto.fit_stats["l2_out_of_fold_log_loss"]
+    assert len(losses) == 5 and auto.fit_stats["l2"] == float(min(losses, key=losses.get))
+
+
+def test_threshold_compares_like_with_like():
+    from d2r_edge.detector import best_balanced_threshold
+
+    # rounded to 6 decimals, the first two collapse and no threshold separates them
+    t, bal = best_balanced_threshold(np.array([0.3000004, 0.3000001, 0.9]), np.array([True, False, True]))
+    assert t == 0.3000004 and bal == 1.0
+
+
+def test_non_finite_inputs_are_refused_or_reported():
+    from d2r_edge.eval.detection import auprc, auroc
+
+    x, y, names = _noise()
+    bad = x.copy()
+    bad[3, names.index("ret_top1")] = np.inf
+    with pytest.raises(ConfigError, match="ret_top1"):
+        Detector.fit(bad, y, names, "qa")
+    bad = x.copy()
+    bad[3, names.index("q_ent_max")] = np.nan           # only the log-prob features may be missing
+    with pytest.raises(ConfigError, match="q_ent_max"):
+        Detector.fit(bad, y, names, "qa")
+    with pytest.raises(ConfigError, match="converge"):
+        Detector.fit(x, y, names, "qa", l2=1.0, iterations=1)
+    det = Detector.fit(x, y, names, "qa", l2=1.0)
+    row = x[:1].copy()
+    row[0, names.index("ret_gap")] = -np.inf
+    with pytest.raises(ValueError, match="ret_gap"):
+        det.p_wrong_many(row)
+    for metric in (auroc, auprc):
+        with pytest.raises(ValueError, match="NaN"):
+            metric([0.1, np.nan, 0.3], [True, False, True])
+
+
+def test_auroc_and_auprc_agree_with_the_definitions():
+    from d2r_edge.eval.detection import auprc, auroc
+
+    rng = np.random.default_rng(1)
+    s = rng.integers(0, 5, size=40).astype(float)      # many ties
+    y = rng.random(40) < 0.4
+    pairs = [(a, b) for a in s[y] for b in s[~y]]
+    assert auroc(s, y) == pytest.approx(np.mean([1.0 if a > b else 0.5 if a == b else 0.0 for a, b in pairs]))
+    ap = 0.0
+    for t in sorted(set(s), reverse=True):
+        at = s >= t
+        new = s == t
+        ap += y[new].sum() / y.sum() * (y[at].sum() / at.sum())
+    assert auprc(s, y) == pytest.approx(ap)
+
+
+# --- detection figures: intervals, per test file, training CV over seeds
+
+
+class _FakeCtx:
+    """What eval.detection reads from a Context: first attempts, scoring, the files queries came from."""
+
+    def __init__(self, out, n_train=60, n_test=80):
+        from types import SimpleNamespace
+
+        rng = np.random.default_rng(3)
+        self.settings = SimpleNamespace(task=Task.QA, out=out)
+        self._wrong, self._att = {}, {}
+        qs = []
+        for i in range(n_train + n_test):
+            q = SimpleNamespace(id=f"q{i}", text=f"question {i}")
+            bad = bool(rng.random() < 0.4)
+            self._wrong[q.id] = bad
+            self._att[q.id] = _attempt(tuple(rng.normal(-1.0 if bad else -0.5, 0.8, size=2)),
+                                       top=float(rng.normal()))
+            qs.append(q)
+        self.train, self.test = qs[:n_train], qs[n_train:]
+        self.train_files = {q.id: "distractor.jsonl" for q in self.train}
+        self.test_files = {q.id: ("distractor.jsonl" if i % 2 else "fullwiki.jsonl") for i, q in enumerate(self.test)}
+        self.pipeline = SimpleNamespace(detector=None)
+
+    def first(self, q):
+        return self._att[q.id]
+
+    def score(self, q, answer):
+        return (0.0, 0.0) if self._wrong[q.id] else (1.0, 1.0)
+
+
+def test_detection_rows_carry_intervals_per_test_file_and_warn_on_a_shift(caplog, tmp_path):
+    from d2r_edge.eval.detection import detection, fit_detector, train_cross_validation
+
+    ctx = _FakeCtx(tmp_path)
+    ctx.pipeline.detector = fit_detector(ctx)
+    assert set(ctx.pipeline.detector.out_of_fold) == {q.text for q in ctx.train}
+    with caplog.at_level("WARNING"):
+        rows = detection(ctx)
+    assert "fullwiki.jsonl has no training counterpart" in caplog.text
+    pooled = [r for r in rows if "file" not in r]
+    assert [r["score"] for r in pooled] == ["alg1_nli", "calibrated"]
+    cal = pooled[1]
+    lo, hi = cal["auroc_ci95"]
+    assert lo < cal["auroc"] < hi and 0.0 <= lo and hi <= 1.0
+    assert cal["auroc_minus_alg1_nli"]["ci95"][0] < cal["auroc_minus_alg1_nli"]["mean"]
+    per_file = {(r["file"], r["score"]): r for r in rows if "file" in r}
+    assert set(per_file) == {(f, s) for f in ("distractor.jsonl", "fullwiki.jsonl") for s in ("alg1_nli", "calibrated")}
+    assert per_file[("fullwiki.jsonl", "calibrated")]["file_in_training"] is False
+    assert sum(per_file[(f, "calibrated")]["n"] for f in ("distractor.jsonl", "fullwiki.jsonl")) == cal["n"]
+    cv = train_cross_validation(ctx)
+    assert cv["fold_seeds"] == 5 and cv["stratified"] and cv["calibrated_auroc_sd"] > 0
+
+
+def test_stratified_folds_spread_each_class():
+    from d2r_edge.detector import stratified_folds
+
+    y = np.array([True] * 7 + [False] * 23)
+    for seed in range(3):
+        fold = stratified_folds(y, 5, seed)
+        assert {int(np.sum(y[fold == k])) for k in range(5)} <= {1, 2}
+        assert {int(np.sum(~y[fold == k])) for k in range(5)} <= {4, 5}
+
+
+def test_fever_findings_name_the_gated_and_the_pre_gate_first_answer_apart():
+    from d2r_edge.eval.report import findings
+
+    summary = {"task": "fever", "n_test": 10, "methods": {},
+               "detection": {"score": "alg1_nli", "n": 10, "n_wrong": 4, "flagged": 3, "flagged_wrong": 2,
+                             "auroc": 0.7, "auprc": 0.6, "auroc_ci95": [0.5, 0.9]},
+               "gate": {"name": "paper"}, "arms_by_failure": {},
+               "diagnosis": {"failure_types": {"no_failure": {"n": 7, "first_accuracy": 0.8}},
+                             "insufficient_vs_no_gold_retrieved": {"recall": None, "precision": None}}}
+    text = "\n".join(findings(summary))
+    assert "4 of 10 generator labels (before the UNVERIFIED gate) were wrong" in text
+    assert "gated first answer (UNVERIFIED counts as NOT ENOUGH INFO) right in 80%" in text
+
+
+# --- while a policy trains, the detector's own training queries get their out-of-fold P(wrong)
+
+
+def test_training_queries_get_out_of_fold_p_wrong_while_the_policy_learns():
+    det = _detector()
+    p = _pipeline(Gate.CALIBRATED, det)
+    in_sample = p.run("wrong clean", learn=False)["p_wrong"]
+    assert in_sample > 0.9
+    det.out_of_fold["wrong clean"] = 0.2         # what a fit that did not see this query said
+    learned = p.run("wrong clean", learn=True)
+    assert learned["p_wrong"] == 0.2 and learned["repair"] is None        # the gate reads it too
+    frozen = p.run("wrong clean", learn=False)                             # at test time: the fitted model
+    assert frozen["p_wrong"] == pytest.approx(in_sample) and frozen["repair"] is not None

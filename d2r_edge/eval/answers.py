@@ -228,7 +228,9 @@ def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Co
     kb = KnowledgeBase.cached(docs, s.out, embedder)
     p, store, gen = shared_pipeline(run, s.out, s.generation_cache)
     ctx = Context(s, p, store, gen, [q for qs in train_sets for q in qs.queries],
-                  [q for qs in test_sets for q in qs.queries], kb.stats())
+                  [q for qs in test_sets for q in qs.queries], kb.stats(),
+                  {q.id: str(qs.path) for qs in train_sets for q in qs.queries},
+                  {q.id: str(qs.path) for qs in test_sets for q in qs.queries})
     compute = attempts or compute_locally
     if run.gate is Gate.CALIBRATED:
         # the gate decides which queries are repaired, so the detector comes first: fitted on the

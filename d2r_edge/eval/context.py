@@ -115,6 +115,8 @@ class Context:
     train: list[EvalQuery]
     test: list[EvalQuery]
     kb_stats: dict = field(default_factory=dict)
+    train_files: dict[str, str] = field(default_factory=dict)    # query id -> the file it came from
+    test_files: dict[str, str] = field(default_factory=dict)
 
     def first(self, q: EvalQuery):
         return self.pipeline.metered_attempt(q.text, self.pipeline.default, metered=False)[0]
@@ -122,9 +124,10 @@ class Context:
     def arm_outcome(self, q: EvalQuery, arm: int):
         return self.pipeline.metered_attempt(q.text, ARMS[arm].apply(self.pipeline.default))
 
-    def repairs(self, first) -> bool:
-        """Whether the gate (Alg. 1's flags, or the calibrated detector) sends this first answer to repair."""
-        return self.pipeline.repairs(first)
+    def repairs(self, first, training_query: str | None = None) -> bool:
+        """Whether the gate (Alg. 1's flags, or the calibrated detector) sends this first answer to repair.
+        `training_query`: a training query's text (its out-of-fold P(wrong), Detector.assess)."""
+        return self.pipeline.repairs(first, training_query)
 
     def allowed(self, first) -> np.ndarray:
         """The UNVERIFIED rule and the arms the loaded models can run (Pipeline.allowed)."""

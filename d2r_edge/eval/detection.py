@@ -16,7 +16,15 @@ the test queries' wrong first answers from the right ones:
 
 A first answer is the generator's, before Alg. 1's UNVERIFIED gate (the gate
 itself would make every flagged FEVER answer wrong): FEVER its label, QA its
-text, scored as the methods score them.
+text, scored as the methods score them. (Table 1, Table 4 and the records score
+FEVER's first answer after the gate: `first_correct` there is another label.)
+
+Every row carries 95% bootstrap intervals (queries resampled, seeded) and, for
+the calibrated detector, the paired difference to Alg. 1's score on the same
+resamples. Rows are given pooled and per test file: a detector trained on one
+retrieval regime (HotpotQA distractor) can fail on another (fullwiki), and a
+test file with no training counterpart is named in a warning. The training
+queries' cross-validation is stratified and averaged over several fold seeds.
 """
 
 from __future__ import annotations
@@ -33,41 +41,40 @@ log = logging.getLogger(__name__)
 DETECTOR_FILE = "detector.json"
 
 
+def _scores(scores) -> np.ndarray:
+    s = np.asarray(scores, dtype=np.float64)
+    if np.isnan(s).any():
+        raise ValueError(f"{int(np.isnan(s).sum())} of {len(s)} failure scores are NaN: a NaN cannot be ranked; "
+                         f"find the attempt that produced it")
+    return s
+
+
 def auroc(scores, wrong) -> float | None:
     """P(score of a wrong answer > score of a right one), ties counting half (Mann-Whitney U).
-    None when one of the two classes is empty."""
-    s, y = np.asarray(scores, dtype=np.float64), np.asarray(wrong, dtype=bool)
+    None when one of the two classes is empty; a NaN score is refused (ValueError)."""
+    s, y = _scores(scores), np.asarray(wrong, dtype=bool)
     n_pos, n_neg = int(y.sum()), int((~y).sum())
     if n_pos == 0 or n_neg == 0:
         return None
-    order = np.argsort(s, kind="mergesort")
-    ranks = np.empty(len(s), dtype=np.float64)
-    sorted_s = s[order]
-    i = 0
-    while i < len(s):           # average ranks over ties
-        j = i
-        while j + 1 < len(s) and sorted_s[j + 1] == sorted_s[i]:
-            j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2 + 1
-        i = j + 1
+    _, inv, counts = np.unique(s, return_inverse=True, return_counts=True)
+    ends = np.cumsum(counts)
+    ranks = ((ends - counts + 1 + ends) / 2)[inv]           # 1-based, averaged over ties
     u = ranks[y].sum() - n_pos * (n_pos + 1) / 2
     return float(u / (n_pos * n_neg))
 
 
 def auprc(scores, wrong) -> float | None:
     """Average precision of ranking wrong answers first (tied scores enter together).
-    None without a wrong answer; a constant score gives the share of wrong answers."""
-    s, y = np.asarray(scores, dtype=np.float64), np.asarray(wrong, dtype=bool)
+    None without a wrong answer; a constant score gives the share of wrong answers; a NaN score is
+    refused (ValueError)."""
+    s, y = _scores(scores), np.asarray(wrong, dtype=bool)
     n_pos = int(y.sum())
     if n_pos == 0:
         return None
-    ap, tp, seen = 0.0, 0, 0
-    for value in np.unique(s)[::-1]:            # thresholds from the highest score down
-        at = s == value
-        tp_new, seen_new = tp + int(y[at].sum()), seen + int(at.sum())
-        ap += (tp_new - tp) / n_pos * (tp_new / seen_new)
-        tp, seen = tp_new, seen_new
-    return float(ap)
+    _, inv = np.unique(s, return_inverse=True)
+    wrong_at = np.bincount(inv, weights=y.astype(np.float64))[::-1]     # thresholds from the highest score down
+    tp, seen = np.cumsum(wrong_at), np.cumsum(np.bincount(inv)[::-1])   # (tied scores enter together)
+    return float(np.sum(wrong_at / n_pos * tp / seen))
 
 
 def alg1_score(diagnosis) -> float:
@@ -83,10 +90,41 @@ def alg1_score(diagnosis) -> float:
     return 1.0 - min(bears, entailed)
 
 
-def detection_row(name: str, scores, wrong, flagged) -> dict:
+BOOTSTRAP = 2000        # resamples behind every detection interval (seeded: the same run gives the same figures)
+
+
+def bootstrap(scores, wrong, others: dict | None = None, resamples: int = BOOTSTRAP,
+              seed: int = 0) -> dict:
+    """95% percentile intervals of AUROC and AUPRC over query resamples; for each score in `others`
+    the paired AUROC difference (scores - other) on the same resamples. A resample with one class
+    only is skipped."""
+    s, y = _scores(scores), np.asarray(wrong, dtype=bool)
+    others = {k: _scores(v) for k, v in (others or {}).items()}
+    rng = np.random.default_rng(seed)
+    roc, prc, diffs = [], [], {k: [] for k in others}
+    for _ in range(resamples):
+        i = rng.integers(len(s), size=len(s))
+        if y[i].all() or not y[i].any():
+            continue
+        a = auroc(s[i], y[i])
+        roc.append(a)
+        prc.append(auprc(s[i], y[i]))
+        for k, o in others.items():
+            diffs[k].append(a - auroc(o[i], y[i]))
+
+    def ci(v):
+        return [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))] if v else None
+
+    return {"auroc_ci95": ci(roc), "auprc_ci95": ci(prc),
+            **{f"auroc_minus_{k}": {"mean": float(np.mean(v)) if v else None, "ci95": ci(v)}
+               for k, v in diffs.items()}}
+
+
+def detection_row(name: str, scores, wrong, flagged, others: dict | None = None) -> dict:
     wrong, flagged = np.asarray(wrong, dtype=bool), np.asarray(flagged, dtype=bool)
     return {"score": name, "auroc": auroc(scores, wrong), "auprc": auprc(scores, wrong), "n": int(len(wrong)),
-            "n_wrong": int(wrong.sum()), "flagged": int(flagged.sum()), "flagged_wrong": int((flagged & wrong).sum())}
+            "n_wrong": int(wrong.sum()), "flagged": int(flagged.sum()), "flagged_wrong": int((flagged & wrong).sum()),
+            **bootstrap(scores, wrong, others)}
 
 
 def _first_attempts(ctx, queries) -> tuple[list, np.ndarray]:
@@ -98,13 +136,15 @@ def _first_attempts(ctx, queries) -> tuple[list, np.ndarray]:
 
 def fit_detector(ctx):
     """The calibrated detector fitted on the training queries' first attempts, or None (logged) when
-    they cannot support a fit (too few, or all right / all wrong)."""
+    they cannot support a fit (too few, or all right / all wrong). Its `out_of_fold` P(wrong) is what
+    the policies see for those queries while they train."""
     from d2r_edge.detector import Detector, feature_matrix, feature_names
 
     fv = ctx.settings.task.fact_verification
     firsts, wrong = _first_attempts(ctx, ctx.train)
     try:
-        det = Detector.fit(feature_matrix(firsts, fv), wrong, feature_names(fv), ctx.settings.task.value)
+        det = Detector.fit(feature_matrix(firsts, fv), wrong, feature_names(fv), ctx.settings.task.value,
+                           keys=[q.text for q in ctx.train])
     except ConfigError as exc:
         log.warning("no calibrated detector: %s", exc)
         return None
@@ -112,43 +152,67 @@ def fit_detector(ctx):
     return det
 
 
-def train_cross_validation(ctx, folds: int = 5) -> dict | None:
+def train_cross_validation(ctx, folds: int = 5, seeds: int = 5) -> dict | None:
     """Detection measured on the training queries only (never the test slice): Alg. 1's score and the
-    detector's out-of-fold P(wrong) (refitted on the other folds, queries in a seeded order). What a
-    choice between the gates may read; None when the training queries are too few to split."""
-    from d2r_edge.detector import Detector, feature_matrix, feature_names
+    detector's out-of-fold P(wrong) (refitted on the other folds, each fit choosing its own penalty and
+    threshold inside its folds), stratified, over `seeds` fold seeds: the mean and spread of AUROC/AUPRC.
+    What a choice between the gates may read; None when the training queries are too few to split."""
+    from d2r_edge.detector import Detector, feature_matrix, feature_names, stratified_folds
 
     fv = ctx.settings.task.fact_verification
     firsts, wrong = _first_attempts(ctx, ctx.train)
-    if len(firsts) < 5 * folds or wrong.all() or not wrong.any():
+    if len(firsts) < 5 * folds or min(wrong.sum(), (~wrong).sum()) < 2 * folds:
         return None
     x = feature_matrix(firsts, fv)
-    fold = np.random.default_rng(0).permutation(len(firsts)) % folds
-    out = np.full(len(firsts), np.nan)
-    for k in range(folds):
-        held = fold == k
-        try:
-            det = Detector.fit(x[~held], wrong[~held], feature_names(fv), ctx.settings.task.value)
-        except ConfigError:
-            return None
-        out[held] = det.p_wrong_many(x[held])
+    rocs, prcs = [], []
+    for seed in range(seeds):
+        fold = stratified_folds(wrong, folds, seed)
+        out = np.full(len(firsts), np.nan)
+        for k in range(folds):
+            held = fold == k
+            try:
+                det = Detector.fit(x[~held], wrong[~held], feature_names(fv), ctx.settings.task.value)
+            except ConfigError:
+                return None
+            out[held] = det.p_wrong_many(x[held])
+        rocs.append(auroc(out, wrong))
+        prcs.append(auprc(out, wrong))
     alg1 = [alg1_score(a.diagnosis) for a in firsts]
-    return {"n": int(len(wrong)), "n_wrong": int(wrong.sum()), "folds": folds,
-            "alg1_nli_auroc": auroc(alg1, wrong), "alg1_nli_auprc": auprc(alg1, wrong),
-            "calibrated_auroc": auroc(out, wrong), "calibrated_auprc": auprc(out, wrong)}
+    return {"n": int(len(wrong)), "n_wrong": int(wrong.sum()), "folds": folds, "fold_seeds": seeds,
+            "stratified": True, "alg1_nli_auroc": auroc(alg1, wrong), "alg1_nli_auprc": auprc(alg1, wrong),
+            "calibrated_auroc": float(np.mean(rocs)), "calibrated_auroc_sd": float(np.std(rocs)),
+            "calibrated_auprc": float(np.mean(prcs)), "calibrated_auprc_sd": float(np.std(prcs))}
+
+
+def _rows(ctx, queries) -> list[dict]:
+    from d2r_edge.detector import feature_matrix
+
+    firsts, wrong = _first_attempts(ctx, queries)
+    flagged = [a.diagnosis.failure is not FailureType.NO_FAILURE for a in firsts]
+    alg1 = [alg1_score(a.diagnosis) for a in firsts]
+    rows = [detection_row("alg1_nli", alg1, wrong, flagged)]
+    det = ctx.pipeline.detector
+    if det is not None:
+        p = det.p_wrong_many(feature_matrix(firsts, ctx.settings.task.fact_verification))
+        rows.append({**detection_row("calibrated", p, wrong, [x >= det.threshold for x in p], {"alg1_nli": alg1}),
+                     "threshold": det.threshold, "fit": det.fit_stats})
+    return rows
 
 
 def detection(ctx) -> list[dict]:
     """One row per failure score over the test queries' first attempts (the detector is the one
-    open_context fitted on the training queries)."""
-    from d2r_edge.detector import feature_matrix
-
-    firsts, wrong = _first_attempts(ctx, ctx.test)
-    flagged = [a.diagnosis.failure is not FailureType.NO_FAILURE for a in firsts]
-    rows = [detection_row("alg1_nli", [alg1_score(a.diagnosis) for a in firsts], wrong, flagged)]
-    det = ctx.pipeline.detector
-    if det is not None:
-        p = det.p_wrong_many(feature_matrix(firsts, ctx.settings.task.fact_verification))
-        rows.append({**detection_row("calibrated", p, wrong, [x >= det.threshold for x in p]),
-                     "threshold": det.threshold, "fit": det.fit_stats})
+    open_context fitted on the training queries): pooled, then per test file when there are several
+    (`file` names it; `file_in_training`: whether training queries came from that file too)."""
+    rows = _rows(ctx, ctx.test)
+    by_file: dict[str, list] = {}
+    for q in ctx.test:
+        by_file.setdefault(ctx.test_files.get(q.id, "?"), []).append(q)
+    trained_on = set(ctx.train_files.values())
+    for name in by_file:
+        if ctx.train_files and name not in trained_on:
+            log.warning("detection: test file %s has no training counterpart (no training query came from it); "
+                        "its detection figures measure a shift, not the detector", name)
+    if len(by_file) > 1:
+        for name, qs in by_file.items():
+            rows += [{**r, "file": name, "file_in_training": name in trained_on} for r in _rows(ctx, qs)]
     return rows

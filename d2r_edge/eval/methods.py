@@ -83,7 +83,7 @@ def arm_rewards(ctx: Context, queries: list[EvalQuery]) -> np.ndarray:
     p = ctx.pipeline
     for q in queries:
         first = ctx.first(q)
-        if not ctx.repairs(first):
+        if not ctx.repairs(first, training_query=q.text):
             continue
         for arm in np.flatnonzero(ctx.allowed(first)):
             a, cost = ctx.arm_outcome(q, int(arm))

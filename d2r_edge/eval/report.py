@@ -176,6 +176,24 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+def _ci(ci) -> str:
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "[-]"
+
+
+def _file_cell(row: dict) -> str:
+    if "file" not in row:
+        return "all"
+    name = Path(row["file"]).name
+    return name if row.get("file_in_training") else f"{name} (no training queries from it)"
+
+
+def _diff_cell(row: dict) -> str:
+    d = row.get("auroc_minus_alg1_nli")
+    if not d or d.get("mean") is None:
+        return "-"
+    return f"{d['mean']:+.3f} {_ci(d['ci95'])}"
+
+
 def findings(summary: dict) -> list[str]:
     """'What this says', from the numbers: nothing here is written in advance."""
     ms, fever = summary["methods"], summary["task"] == "fever"
@@ -196,18 +214,20 @@ def findings(summary: dict) -> list[str]:
     det = summary.get("detection")
     if det and det["n_wrong"]:
         gate = (summary.get("gate") or {}).get("name", "paper")
-        out.append(f"- Detection: {det['n_wrong']} of {det['n']} first answers were wrong; the `{gate}` gate flagged "
+        what = "generator labels (before the UNVERIFIED gate)" if fever else "first answers"
+        out.append(f"- Detection: {det['n_wrong']} of {det['n']} {what} were wrong; the `{gate}` gate flagged "
                    f"{det['flagged']}, {det['flagged_wrong']} of them wrong, so "
                    f"{det['n_wrong'] - det['flagged_wrong']} "
                    f"wrong answers were never offered a repair; `{det['score']}` AUROC "
-                   f"{_num(det['auroc'], '.3f')}, AUPRC {_num(det['auprc'], '.3f')} (base rate "
-                   f"{det['n_wrong'] / det['n']:.3f}).")
+                   f"{_num(det['auroc'], '.3f')} {_ci(det.get('auroc_ci95'))}, AUPRC {_num(det['auprc'], '.3f')} "
+                   f"(base rate {det['n_wrong'] / det['n']:.3f}).")
     diag = summary["diagnosis"]
     ie = diag["insufficient_vs_no_gold_retrieved"]
     types = diag["failure_types"]
     n_fail = sum(v["n"] for k, v in types.items() if k != "no_failure")
+    first = "gated first answer (UNVERIFIED counts as NOT ENOUGH INFO)" if fever else "first answer"
     out.append(f"- {n_fail} of {summary['n_test']} first answers were diagnosed as failures; by type: "
-               + ", ".join(f"{k} {v['n']} (first answer right in {100 * v['first_accuracy']:.0f}%)"
+               + ", ".join(f"{k} {v['n']} ({first} right in {100 * v['first_accuracy']:.0f}%)"
                            for k, v in types.items()) + ".")
     if ie["recall"] is not None or ie["precision"] is not None:
         out.append(f"- Of the {ie['n_with_gold']} queries with gold evidence, the first retrieval missed it for "
@@ -295,8 +315,10 @@ def markdown(summary: dict) -> str:
     det = summary.get("detection_scores") or []
     if det:
         lines += ["", "## Failure detection (test queries' first answers, before the UNVERIFIED gate)", ""]
-        lines += _table(["score", "AUROC", "AUPRC", "queries", "wrong", "flagged", "flagged and wrong"],
-                        [[r["score"], _num(r["auroc"], ".3f"), _num(r["auprc"], ".3f"), str(r["n"]),
+        lines += _table(["test file", "score", "AUROC [95% CI]", "AUPRC [95% CI]", "vs alg1_nli [95% CI]",
+                         "queries", "wrong", "flagged", "flagged and wrong"],
+                        [[_file_cell(r), r["score"], f"{_num(r['auroc'], '.3f')} {_ci(r.get('auroc_ci95'))}",
+                          f"{_num(r['auprc'], '.3f')} {_ci(r.get('auprc_ci95'))}", _diff_cell(r), str(r["n"]),
                           str(r["n_wrong"]), str(r["flagged"]), str(r["flagged_wrong"])] for r in det])
         lines += ["", "AUROC: how often a wrong first answer scores above a right one (0.5: chance). "
                       "`alg1_nli`: 1 - min(max P(not neutral | passage, query), max P(entailed | passage, "
@@ -305,9 +327,11 @@ def markdown(summary: dict) -> str:
                       f">= its threshold. This run's gate: `{(summary.get('gate') or {}).get('name', 'paper')}`."]
         cv = summary.get("detection_train_cv")
         if cv:
-            lines += ["", f"On the {cv['n']} training queries ({cv['n_wrong']} wrong first answers; {cv['folds']}-fold "
-                          f"cross-validation for the detector, never the test slice): AUROC `alg1_nli` "
-                          f"{_num(cv['alg1_nli_auroc'], '.3f')}, `calibrated` {_num(cv['calibrated_auroc'], '.3f')}."]
+            spread = f" +- {cv['calibrated_auroc_sd']:.3f}" if cv.get("calibrated_auroc_sd") is not None else ""
+            lines += ["", f"On the {cv['n']} training queries ({cv['n_wrong']} wrong first answers; stratified "
+                          f"{cv['folds']}-fold cross-validation over {cv.get('fold_seeds', 1)} fold seeds for the "
+                          f"detector, never the test slice): AUROC `alg1_nli` {_num(cv['alg1_nli_auroc'], '.3f')}, "
+                          f"`calibrated` {_num(cv['calibrated_auroc'], '.3f')}{spread} (mean +- sd over the seeds)."]
     d = summary["diagnosis"]
     lines += ["", "## Table 4: diagnosis", ""]
     lines += _table(["first-pass failure", "queries", "share", "first answer right"],

@@ -283,12 +283,14 @@ class ChatResult:
     prompt_tokens: int
     completion_tokens: int
     latency_s: float
-    tokens: tuple[tuple[str, float], ...] | None = None    # (token text, log-probability); None: not given
+    tokens: tuple[tuple[bytes, float], ...] | None = None  # (token bytes, log-probability); None: not given
 
 
-def token_logprobs(choice: dict) -> tuple[tuple[str, float], ...] | None:
-    """The OpenAI chat format's `choices[0].logprobs.content` as (token, logprob) pairs; None when the
-    server sent none or something unreadable (a missing signal, never a made-up one)."""
+def token_logprobs(choice: dict) -> tuple[tuple[bytes, float], ...] | None:
+    """The OpenAI chat format's `choices[0].logprobs.content` as (token bytes, logprob) pairs; None
+    when the server sent none or something unreadable (a missing signal, never a made-up one). The
+    bytes are the item's `bytes` where given (a character split over two tokens is whole only
+    there; its `token` strings hold replacement characters), else its `token` in UTF-8."""
     content = (choice.get("logprobs") or {}).get("content") if isinstance(choice, dict) else None
     if not isinstance(content, list) or not content:
         return None
@@ -296,8 +298,9 @@ def token_logprobs(choice: dict) -> tuple[tuple[str, float], ...] | None:
     for item in content:
         try:
             lp = float(item["logprob"])
-            tok = str(item["token"])
-        except (KeyError, TypeError, ValueError):
+            raw = item.get("bytes")
+            tok = bytes(raw) if isinstance(raw, list) else str(item["token"]).encode("utf-8")
+        except (KeyError, TypeError, ValueError, AttributeError):
             return None
         if not math.isfinite(lp):
             return None
@@ -305,21 +308,29 @@ def token_logprobs(choice: dict) -> tuple[tuple[str, float], ...] | None:
     return tuple(out)
 
 
-def answer_logprobs(tokens: tuple[tuple[str, float], ...] | None, answer: str) -> tuple[float, ...] | None:
+def _spellings(answer: str) -> list[bytes]:
+    """How `answer` may appear in a completion: as is, and as a JSON string value escapes it."""
+    forms = [answer, json.dumps(answer, ensure_ascii=False)[1:-1], json.dumps(answer)[1:-1]]
+    return [f.encode("utf-8") for f in dict.fromkeys(forms)]
+
+
+def answer_logprobs(tokens: tuple[tuple[bytes, float], ...] | None, answer: str) -> tuple[float, ...] | None:
     """Log-probabilities of the tokens that spell `answer` in the completion (its last occurrence:
-    the JSON value comes after the key); all tokens when the answer is not found verbatim."""
-    if not tokens:
+    the JSON value comes after the key), matched on the decoded bytes (ASCII case aside), so a
+    character split over tokens or escaped in JSON still matches. None (missing, never every token: the scaffolding's
+    near-certain tokens would pass for confidence) when there are no tokens or no match."""
+    if not tokens or not answer:
         return None
-    text = "".join(t for t, _ in tokens)
-    start = text.rfind(answer) if answer else -1
+    text = b"".join(t for t, _ in tokens).lower()       # ASCII case: a label parsed from "supports"
+    start, length = max(((text.rfind(f.lower()), len(f)) for f in _spellings(answer)), key=lambda m: m[0])
     if start < 0:
-        return tuple(lp for _, lp in tokens)
-    end, pos, out = start + len(answer), 0, []
+        return None
+    end, pos, out = start + length, 0, []
     for tok, lp in tokens:
         if pos < end and pos + len(tok) > start:
             out.append(lp)
         pos += len(tok)
-    return tuple(out) or tuple(lp for _, lp in tokens)
+    return tuple(out) or None
 
 
 class _RejectedJSONMode(Exception):
