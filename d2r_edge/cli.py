@@ -82,6 +82,8 @@ def _finetune_settings(args: argparse.Namespace, preset: str = "full"):
             given[field_name] = getattr(args, flag)
     if not args.nli_augment:
         given["nli_augment"] = False
+    if args.finetune_exclude:
+        given["exclude_files"] = tuple(f.strip() for f in args.finetune_exclude.split(",") if f.strip())
     return replace(FINETUNE_PRESETS[preset], **given)
 
 
@@ -453,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-nli-augment", dest="nli_augment", action="store_false",
                    help="offline NLI: no synthetic pairs (negation flips and number swaps of "
                         "training FEVER claims)")
+    p.add_argument("--finetune-exclude", default=None, metavar="FILE,FILE",
+                   help="fine-tuned roles: QA files under --data-dir (e.g. hotpotqa/dev.jsonl,"
+                        "hotpotqa_fullwiki/dev.jsonl) whose questions neither role sees, from any file; "
+                        "recorded in the manifest, so `eval answers --split all` may test on all of them")
     p.add_argument("--random-init", default=None, metavar="CONFIG",
                    help="export only a real-size random model (deberta-v3-base, bart-large, ...)")
     p.set_defaults(func=cmd_export)

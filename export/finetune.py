@@ -70,6 +70,10 @@ class FinetuneSettings:
     nli_fever_train_pairs: int = 10000
     nli_fever_titles: str = "subject"
     nli_fever_max_sentences: int = 2
+    # QA files (finetune_data.QA_FILES) whose questions neither role sees, from any file: an
+    # evaluation may test on every question of them (`eval answers --split all`), not only on
+    # the ~20% held-out side. Recorded in the manifest (each role's training.split)
+    exclude_files: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.nli_bf16 not in ("off", "on", "auto"):
@@ -84,6 +88,12 @@ class FinetuneSettings:
             raise ExportError(f"nli_fever_titles must be one of {', '.join(TITLE_MODES)} (got "
                               f"{self.nli_fever_titles!r}), nli_fever_train_pairs >= 0 and "
                               f"nli_fever_max_sentences >= 1")
+        from d2r_edge_export.finetune_data import QA_FILES
+
+        bad = [f for f in self.exclude_files if f not in QA_FILES]
+        if bad:
+            raise ExportError(f"--finetune-exclude: {', '.join(bad)} is not a QA file; choose among "
+                              f"{', '.join(QA_FILES)} (FEVER dev holds the NLI's held-out validation)")
         if self.nli_init == "reranker" and self.rerank_init == "nli":
             raise ExportError("nli_init=reranker and rerank_init=nli start each role from the other; "
                               "set one of them to base")
@@ -108,11 +118,15 @@ class FinetuneSettings:
         """The settings that shape `role`'s training (its cache key)."""
         nli = role in ("nli", "nli_general")
         out = {k: v for k, v in asdict(self).items() if not k.startswith("nli_" if not nli else "rerank_")}
+        if not self.exclude_files:           # absent, not empty: the checkpoints cached before it stay valid
+            out.pop("exclude_files")
         if not nli:
             out.pop("batch_size")            # NLI pairs per step
             return out
         if role == "nli_general":            # what the FEVER/QA stage does is not its business
-            out = {k: v for k, v in out.items() if k not in ("nli_epochs", "nli_learning_rate", "nli_augment")
+            # (the left-out QA questions reach it only through its pairs, which its key hashes)
+            out = {k: v for k, v in out.items() if k not in ("nli_epochs", "nli_learning_rate", "nli_augment",
+                                                             "exclude_files")
                    and not k.startswith("nli_fever_")}
         return {**out, "nli_bf16_used": self.use_bf16()}
 
@@ -322,7 +336,7 @@ def finetuned_checkpoint(role: str, base: Path, data_dir: Path, cache_dir: Path,
                           f"pass --data-dir pointing at the shared data folder")
     sets = build_pairs(data_dir, s.max_train_pairs, s.seed, s.rerank_fever_groups, s.nli_augment,
                        s.general_sources() if role == "nli" else None,
-                       s.fever_train() if role == "nli" else FeverTrainSpec())
+                       s.fever_train() if role == "nli" else FeverTrainSpec(), s.exclude_files)
     return _checkpoint(role, base, sha256_file(base / "model.safetensors"), sets, cache_dir, s)
 
 

@@ -119,6 +119,22 @@ class QARow:
         return [f"{t}\n{x}" for t, x, s in self.paragraphs if supporting is None or s == supporting]
 
 
+QA_FILES = ("hotpotqa/dev.jsonl", "musique/dev.jsonl", "2wikimultihopqa/dev.jsonl",
+            "hotpotqa_ircot_subsample/dev.jsonl", "hotpotqa_fullwiki/dev.jsonl")
+
+
+def excluded_questions(data: Path, files: tuple[str, ...]) -> set[str]:
+    """_norm() of every question in `files` (QA_FILES): kept out of training from whichever file holds
+    them (the IRCoT subsample repeats HotpotQA questions)."""
+    out = set()
+    for f in files:
+        if f not in QA_FILES:
+            raise ValueError(f"{f!r} is not one of the QA files ({', '.join(QA_FILES)})")
+        for row in _rows(data / f):
+            out.add(_norm(row.get("question") or row.get("question_text") or ""))
+    return out
+
+
 def _qa_rows(data: Path) -> list[QARow]:
     """Questions with supporting and distractor paragraphs from the multi-hop QA samples."""
     out = []
@@ -206,21 +222,27 @@ class FeverTrainSpec:
 
 def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
                 rerank_fever_groups: int = 400, augment: bool = True,
-                general_sources: str | None = None, fever_train: FeverTrainSpec = FeverTrainSpec()) -> PairSets:
+                general_sources: str | None = None, fever_train: FeverTrainSpec = FeverTrainSpec(),
+                exclude_files: tuple[str, ...] = ()) -> PairSets:
+    """`exclude_files`: QA files whose questions enter no training or validation pair, from any file
+    (their paragraphs stay in the pool negatives are mined from): an evaluation may then test on all
+    of their questions."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     sets = PairSets()
     sets.files_sha256 = {f: hashlib.sha256((data / f).read_bytes()).hexdigest() for f in FILES}
     fever = _rows(data / "fever" / "dev.jsonl")
-    qa = _qa_rows(data)
+    left_out = excluded_questions(data, tuple(exclude_files))
+    qa_all = _qa_rows(data)
+    qa = [q for q in qa_all if _norm(q.question) not in left_out]
     # the mining pool: training rows' evidence and paragraphs only
     pool: list[str] = []
     for row in fever:
         if not is_validation(row["question"]):
             pool += [fever_premise([e]) for e in row.get("derived_evidence_sentences") or []]
     fever_sentences = list(dict.fromkeys(pool))
-    for q in qa:
+    for q in qa_all:        # paragraphs only: a left-out question's passages may be mined as negatives
         if not is_validation(q.question):
             pool += q.passages()
     pool = list(dict.fromkeys(pool))
@@ -285,7 +307,9 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
         aug = np.random.default_rng([seed, 1])
         sets.nli_train += _mutations(synthetic, {_norm(r["question"]) for r in fever}, aug)
         sets.nli_train = [sets.nli_train[i] for i in aug.permutation(len(sets.nli_train))]
-    held_out = validation_texts(fever, qa) if general_sources is not None or fever_train.pairs > 0 else set()
+    held_out = validation_texts(fever, qa_all) if general_sources is not None or fever_train.pairs > 0 else set()
+    if held_out and exclude_files:      # the left-out questions stay out of the general and FEVER-train pairs too
+        held_out |= {dedupe_key(q.question) for q in qa_all if _norm(q.question) in left_out}
     if general_sources is not None:
         sets.general = load_general(data, held_out, general_sources, max_train_pairs, seed)
     if max_train_pairs:
@@ -301,6 +325,8 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
         sets.nli_train = [sets.nli_train[i] for i in mix.permutation(len(sets.nli_train))]
     sets.split = {"rule": "sha256(normalized claim or question text) % 100 < 20 -> validation",
                   "validation_percent": 20,
+                  **({"excluded_files": {f: sets.files_sha256[f] for f in exclude_files},
+                      "excluded_qa_rows": len(qa_all) - len(qa)} if exclude_files else {}),
                   "nli_train": len(sets.nli_train), "nli_val": len(sets.nli_val),
                   **({"nli_train_from_fever_train": sets.fever_train["pairs"]} if sets.fever_train else {}),
                   "rerank_train_groups": len(sets.rerank_train),

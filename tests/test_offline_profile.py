@@ -263,3 +263,74 @@ def test_heldout_limit_spreads_over_each_held_out_set_and_reaches_the_build(monk
     assert main(["export", "--profile", "tiny", "--models-dir", str(tmp_path), "--heldout-limit", "50",
                  "--profiles", str(ROOT / "models" / "profiles.toml")]) == 0
     assert seen[0].heldout_limit == 50
+
+
+def test_left_out_qa_files_reach_no_training_pair(shared_data):
+    from d2r_edge_export.finetune_data import _norm, build_pairs, excluded_questions
+
+    files = ("hotpotqa/dev.jsonl", "hotpotqa_fullwiki/dev.jsonl")
+    sets = build_pairs(shared_data, exclude_files=files)
+    left_out = excluded_questions(shared_data, files)
+    assert len(left_out) > 400
+    assert not {_norm(h) for _, h, _ in sets.nli_train} & left_out
+    assert not {_norm(g.query) for g in sets.rerank_train} & left_out
+    assert not {_norm(q["question"]) for q in sets.rerank_val} & left_out
+    assert set(sets.split["excluded_files"]) == set(files) and sets.split["excluded_qa_rows"] >= len(left_out)
+    plain = build_pairs(shared_data)
+    assert {_norm(g.query) for g in plain.rerank_train} & left_out          # without the option they are there
+    assert sets.nli_val == plain.nli_val                                     # FEVER's held-out set unchanged
+
+
+def test_only_qa_files_can_be_left_out():
+    from d2r_edge_export.finetune import FinetuneSettings
+
+    with pytest.raises(ExportError, match="not a QA file"):
+        FinetuneSettings(exclude_files=("fever/dev.jsonl",))
+    s = FinetuneSettings(exclude_files=("hotpotqa/dev.jsonl",))
+    assert s.for_role("nli")["exclude_files"] == ("hotpotqa/dev.jsonl",)
+    assert s.for_role("reranker")["exclude_files"] == ("hotpotqa/dev.jsonl",)
+    assert "exclude_files" not in s.for_role("nli_general")      # its pairs' hash keys it instead
+
+
+def test_eval_refuses_test_files_the_fine_tuning_saw(tmp_path):
+    import hashlib
+
+    from d2r_edge.app import RunSettings
+    from d2r_edge.errors import InputError
+    from d2r_edge.eval.answers import check_unseen_by_finetuning
+    from d2r_edge.eval.context import EvalSettings
+    from d2r_edge.eval.split import Split
+    from d2r_edge.tasks import Task
+
+    test = tmp_path / "dev.jsonl"
+    test.write_text('{"id": "1", "question": "q?", "answer": "a"}\n')
+    digest = hashlib.sha256(test.read_bytes()).hexdigest()
+    models = tmp_path / "models"
+    models.mkdir()
+
+    def manifest(excluded: dict) -> None:
+        training = {"data_files_sha256": {"hotpotqa/dev.jsonl": digest, "fever/dev.jsonl": "0" * 64},
+                    "split": {"rule": "...", **({"excluded_files": excluded} if excluded else {})}}
+        (models / "manifest.json").write_text(json.dumps({"roles": {"nli": {"training": training},
+                                                                    "embedder": {}}}))
+
+    def settings(split: Split) -> EvalSettings:
+        return EvalSettings(task=Task.QA, train=(test,), test=(test,), models=models, out=tmp_path / "o",
+                            split=split, run=RunSettings(kb=tmp_path, models=models, task=Task.QA))
+
+    manifest({})
+    with pytest.raises(InputError, match="fine-tuned on.*--finetune-exclude hotpotqa/dev.jsonl"):
+        check_unseen_by_finetuning(settings(Split.ALL))
+    with pytest.raises(InputError, match="--split heldout"):
+        check_unseen_by_finetuning(settings(Split.FIT))
+    check_unseen_by_finetuning(settings(Split.HELDOUT))
+    manifest({"hotpotqa/dev.jsonl": digest})                  # the export left it out: every question is unseen
+    check_unseen_by_finetuning(settings(Split.ALL))
+
+
+def test_the_cli_flag_reaches_the_settings():
+    from d2r_edge.cli import _finetune_settings, build_parser
+
+    args = build_parser().parse_args(["export", "--profile", "offline", "--finetune-exclude",
+                                      "hotpotqa/dev.jsonl, hotpotqa_fullwiki/dev.jsonl"])
+    assert _finetune_settings(args).exclude_files == ("hotpotqa/dev.jsonl", "hotpotqa_fullwiki/dev.jsonl")

@@ -93,6 +93,35 @@ def load_splits(s: EvalSettings) -> tuple[list[QuerySet], list[QuerySet]]:
     return train, test
 
 
+def check_unseen_by_finetuning(s: EvalSettings) -> None:
+    """Refuses test queries the models' fine-tuning may have seen: a test file that one of the
+    manifest's fine-tuned roles trained on (same sha256) is tested on its held-out side only, unless
+    the export left that file out (`d2r-edge export --finetune-exclude FILE`, recorded per role)."""
+    import hashlib
+
+    path = Path(s.models) / "manifest.json"
+    try:
+        roles = json.loads(path.read_text(encoding="utf-8")).get("roles") or {}
+    except (OSError, ValueError):
+        return          # the pipeline's own manifest check reports an unreadable manifest
+    trained: dict[str, tuple[str, str]] = {}       # sha256 -> (role, file) of a file a role trained on
+    for role, entry in roles.items():
+        training = (entry or {}).get("training") or {}
+        left_out = set(((training.get("split") or {}).get("excluded_files") or {}).values())
+        for name, digest in (training.get("data_files_sha256") or {}).items():
+            if digest not in left_out:
+                trained.setdefault(digest, (role, name))
+    if not trained or s.split is Split.HELDOUT:
+        return
+    for test in s.test:
+        digest = hashlib.sha256(Path(test).read_bytes()).hexdigest()
+        if digest in trained:
+            role, name = trained[digest]
+            raise InputError(f"test file {test} is {name}, which the {role} model was fine-tuned on (outside its "
+                             f"held-out 20%): with --split {s.split.value} its test queries may have been seen. "
+                             f"Use --split heldout, or export the models with --finetune-exclude {name}")
+
+
 def kb_documents(s: EvalSettings, sets: list[QuerySet]) -> list:
     """Every document of the train and test files (+ --extra-docs), once each, in order."""
     from d2r_edge.retrieval.docs import read_documents
@@ -220,6 +249,7 @@ def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Co
     from d2r_edge.onnx.manifest import load_manifest
     from d2r_edge.retrieval.kb import KnowledgeBase
 
+    check_unseen_by_finetuning(s)
     train_sets, test_sets = load_splits(s)
     docs = kb_documents(s, train_sets + test_sets)
     _check_out(s, KnowledgeBase.input_digest(docs))
