@@ -51,6 +51,8 @@ class RunSettings:
     model: str = "local"
     api_key_env: str | None = "OPENAI_API_KEY"
     timeout_s: float = 60.0
+    self_consistency: int = 0              # openai generator: N more samples per answer (d2r_edge.consistency)
+    sample_temperature: float = 0.7
     policy_path: Path | None = None
     policy_kind: str = "linucb"
     alpha: float = 2.0
@@ -79,6 +81,11 @@ class RunSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be an int >= 0 (0 = off), got {value!r}")
+        if not isinstance(self.self_consistency, int) or self.self_consistency < 0:
+            raise ConfigError(f"self_consistency must be an int >= 0, got {self.self_consistency!r}")
+        if self.self_consistency and self.generator != "openai":
+            raise ConfigError(f"--self-consistency samples an LLM; the {self.generator} generator is deterministic "
+                              f"(use --generator openai, or leave it at 0)")
         if not isinstance(self.parallel_requests, int) or self.parallel_requests < 1:
             raise ConfigError(f"parallel_requests must be an int >= 1, got {self.parallel_requests!r}")
         if not (isinstance(self.micro_batch_wait_ms, (int, float)) and 0 <= self.micro_batch_wait_ms <= 1000):

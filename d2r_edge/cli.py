@@ -195,7 +195,8 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
     run = RunSettings(kb=out / "kb", models=Path(args.models), task=Task(args.task), variant=Variant(args.variant),
                       allow_random_weights=args.allow_random_weights, generator=args.generator,
                       base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
-                      timeout_s=args.timeout_s, alpha=args.alpha, budget=budget, seed=args.seed,
+                      timeout_s=args.timeout_s, self_consistency=args.self_consistency,
+                      sample_temperature=args.sample_temperature, alpha=args.alpha, budget=budget, seed=args.seed,
                       qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages,
                       gate=Gate(args.gate), response_nli=ResponseNLI.ALL)   # detection reads every pair
     s = EvalSettings(task=Task(args.task), train=tuple(map(Path, args.train)), test=tuple(map(Path, args.test)),
@@ -228,7 +229,8 @@ def _settings(args: argparse.Namespace):
         kb=Path(args.kb), models=Path(args.models), task=Task(args.task), variant=Variant(args.variant),
         allow_random_weights=args.allow_random_weights, generator=args.generator,
         base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
-        timeout_s=args.timeout_s, policy_path=Path(args.policy) if args.policy else None,
+        timeout_s=args.timeout_s, self_consistency=args.self_consistency,
+        sample_temperature=args.sample_temperature, policy_path=Path(args.policy) if args.policy else None,
         policy_kind=args.policy_kind, alpha=args.alpha, budget=budget,
         reward=RewardConfig(gates=not args.unconstrained, cost_weighting=not args.unweighted),
         exploration=ExplorationConfig(rate=args.explore, seed=args.seed),
@@ -394,6 +396,10 @@ def _generator_args(p: argparse.ArgumentParser, key_flag: str = "--api-key-env")
     p.add_argument(key_flag, dest="api_key_env", default="OPENAI_API_KEY",
                    help="environment variable holding the generator server's key")
     p.add_argument("--timeout-s", type=float, default=60.0)
+    p.add_argument("--self-consistency", type=int, default=0, metavar="N",
+                   help="openai generator: N more answers per prompt at --sample-temperature; their agreement "
+                        "with the answer becomes the detector's self-consistency signal (d2r_edge/consistency.py)")
+    p.add_argument("--sample-temperature", type=float, default=0.7)
     p.add_argument("--budget-latency-s", type=float, default=3.0, help="per repair action (paper: 3 s)")
     p.add_argument("--budget-mem-mib", type=float, default=6.0, help="per repair action (paper: 6 MB)")
     p.add_argument("--budget-preset", choices=["paper", "stringent", "relaxed"], default=None)

@@ -13,6 +13,9 @@ Newton steps with an L2 penalty on standardized features) over
   normalized answer occurs in a passage and the best passage's share of the
   answer's tokens;
 - the KG check: conflict / consistent;
+- self-consistency (d2r_edge/consistency.py), where the generator drew samples:
+  the samples' agreement with the answer, the number of answer clusters and
+  their entropy; missing (NaN) without samples, like the log-probabilities;
 - the generator's own confidence: the log-probability of the answer's first
   token (where a FEVER label's decision sits), their sum and their minimum,
   where the server returns them (OpenAI-compatible `logprobs`). Not the mean:
@@ -61,10 +64,12 @@ FORMAT = "d2r-edge-detector/3"
 _COMMON = ("q_ent_max", "q_con_max", "q_neu_min", "q_ent_mean", "q_con_mean", "q_margin_top", "q_bearing_share",
            "r_ent_max", "r_con_max", "r_neu_min", "r_ent_mean", "r_con_mean", "r_margin_top", "r_entailing_share",
            "ret_top1", "ret_gap", "n_passages", "answer_len_log", "kg_conflict", "kg_consistent",
-           "gen_logprobs_present", "gen_logprob_first", "gen_logprob_sum", "gen_logprob_min")
+           "gen_logprobs_present", "gen_logprob_first", "gen_logprob_sum", "gen_logprob_min",
+           "sc_agreement", "sc_clusters", "sc_entropy")
 REFIT = "refit it (d2r-edge train --gate calibrated, or d2r-edge eval answers)"
 # NaN when the generator gave no log-probabilities (imputed at scoring time, see the module docstring)
-MAY_BE_MISSING = ("gen_logprob_first", "gen_logprob_sum", "gen_logprob_min")
+MAY_BE_MISSING = ("gen_logprob_first", "gen_logprob_sum", "gen_logprob_min", "sc_agreement", "sc_clusters",
+                  "sc_entropy")
 L2_GRID = (0.1, 1.0, 10.0, 100.0, 1000.0)     # candidates for the penalty, chosen by out-of-fold log-loss
 
 
@@ -120,6 +125,9 @@ def features(attempt, fact_verification: bool) -> dict[str, float]:
     out["gen_logprob_first"] = float(lp[0]) if lp else math.nan
     out["gen_logprob_sum"] = float(np.sum(lp)) if lp else math.nan
     out["gen_logprob_min"] = float(np.min(lp)) if lp else math.nan
+    sc = getattr(d, "consistency", None) or {}
+    for name in ("sc_agreement", "sc_clusters", "sc_entropy"):
+        out[name] = float(sc[name]) if name in sc else math.nan
     if fact_verification:
         label = attempt.generation.label.value if attempt.generation.label is not None else "NOT ENOUGH INFO"
         for lab in FEVER_CLASSES:

@@ -8,6 +8,7 @@ from enum import Enum
 
 import numpy as np
 
+from d2r_edge.consistency import signals as consistency_signals
 from d2r_edge.hypothesis import HypothesisForm, hypothesis
 from d2r_edge.signals import Entailment, FailureType, KGStatus
 
@@ -43,6 +44,7 @@ class Diagnosis:
     gated_label: Label | None      # UNVERIFIED where Alg. 1 says the label is not evidence-backed
     passage_probs_q: list = field(default_factory=list)   # per passage: {label: prob}
     passage_probs_r: list = field(default_factory=list)   # ... None where ResponseNLI.UNTIL_ENTAILED skipped it
+    consistency: dict | None = None   # self-consistency signals (d2r_edge.consistency); None: no samples
 
     @property
     def unverified(self) -> bool:
@@ -119,7 +121,8 @@ class Diagnoser:
         return [self.labels[int(i)] for i in probs.argmax(axis=1)]
 
     def diagnose(self, query: str, passages: list[str], response: str, label: Label | None,
-                 fact_verification: bool) -> Diagnosis:
+                 fact_verification: bool, samples: tuple[str, ...] | None = None) -> Diagnosis:
+        """Alg. 1's verdict; with the generator's `samples`, the self-consistency signals too."""
         k = len(passages)
         hyp = response or ""
         if not fact_verification:
@@ -141,7 +144,9 @@ class Diagnoser:
         names = [lab.value for lab in self.labels]
         as_dicts = lambda m: [None if np.isnan(row).any() else dict(zip(names, map(float, row)))  # noqa: E731
                               for row in m]
-        return Diagnosis(failure, e_q, e_r, kg, label, gated, as_dicts(pq), as_dicts(pr))
+        greedy = (label.value if label is not None else "NOT ENOUGH INFO") if fact_verification else response
+        sc = consistency_signals(query, greedy, samples, fact_verification, self.nli) if samples else None
+        return Diagnosis(failure, e_q, e_r, kg, label, gated, as_dicts(pq), as_dicts(pr), sc)
 
     def _until_entailed(self, passages: list[str], hyp: str) -> np.ndarray:
         """(passage, response) probabilities, NaN rows for the pairs not scored: one pair at a time, the

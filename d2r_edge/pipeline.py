@@ -50,6 +50,8 @@ class Attempt:
                 "gated_label": d.gated_label.value if d.gated_label else None,
                 "response": self.generation.response, "failure": d.failure.value, "e_q": d.e_q.value,
                 "e_r": d.e_r.value, "kg": d.kg.value, "nli_q": d.passage_probs_q, "nli_r": d.passage_probs_r,
+                **({"samples": list(self.generation.samples), "consistency": d.consistency}
+                   if self.generation.samples else {}),
                 "timings_s": self.timings_s}
 
 
@@ -159,7 +161,8 @@ class Pipeline:
         gen = self.generator.generate(self.task, cfg.prompt, query, texts)
         t["generate_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        diag = self.diagnoser.diagnose(query, texts, gen.response, gen.label, self.task.fact_verification)
+        extra = {"samples": gen.samples} if gen.samples else {}      # (stand-in diagnosers take none)
+        diag = self.diagnoser.diagnose(query, texts, gen.response, gen.label, self.task.fact_verification, **extra)
         t["diagnose_s"] = time.perf_counter() - t0
         return Attempt(passages, gen, diag, t)
 

@@ -26,12 +26,12 @@ def _fit_data(n=200, seed=0):
 
 
 def test_fit_separates_what_the_features_separate():
-    x, wrong, names = _fit_data()
+    x, wrong, names = _fit_data(n=400)          # 30 features, 28 of them noise
     det = Detector.fit(x, wrong, names, "fever")
     xt, wt, _ = _fit_data(seed=1)
     p = det.p_wrong_many(xt)
     assert auroc(p, wt) > 0.95
-    assert 0.0 < det.threshold < 1.0 and det.fit_stats["n"] == 200
+    assert 0.0 < det.threshold < 1.0 and det.fit_stats["n"] == 400
     # noise features carry little weight next to the two that decide
     w = np.abs(det.weights)
     assert w[0] > 3 * np.median(w) and w[7] > 3 * np.median(w)

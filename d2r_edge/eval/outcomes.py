@@ -52,11 +52,13 @@ def attempt_to_json(a: Attempt) -> dict:
         "generation": {"response": a.generation.response,
                        "label": a.generation.label.value if a.generation.label else None,
                        "raw": a.generation.raw,
-                       "logprobs": None if a.generation.logprobs is None else list(a.generation.logprobs)},
+                       "logprobs": None if a.generation.logprobs is None else list(a.generation.logprobs),
+                       **({"samples": list(a.generation.samples)} if a.generation.samples is not None else {})},
         "diagnosis": {"failure": d.failure.value, "e_q": d.e_q.value, "e_r": d.e_r.value, "kg": d.kg.value,
                       "label": d.label.value if d.label else None,
                       "gated_label": d.gated_label.value if d.gated_label else None,
-                      "nli_q": d.passage_probs_q, "nli_r": d.passage_probs_r},
+                      "nli_q": d.passage_probs_q, "nli_r": d.passage_probs_r,
+                      **({"consistency": d.consistency} if d.consistency is not None else {})},
         "timings_s": a.timings_s,
     }
 
@@ -70,9 +72,10 @@ def attempt_from_json(row: dict, chunks: list[dict]) -> Attempt:
         passages.append(Passage(int(c["chunk_id"]), c["doc_id"], c["title"], c["text"], float(score)))
     g, d = row["generation"], row["diagnosis"]
     diag = Diagnosis(FailureType(d["failure"]), Entailment(d["e_q"]), Entailment(d["e_r"]), KGStatus(d["kg"]),
-                     _label(d["label"]), _label(d["gated_label"]), _probs(d["nli_q"]), _probs(d["nli_r"]))
+                     _label(d["label"]), _label(d["gated_label"]), _probs(d["nli_q"]), _probs(d["nli_r"]),
+                     _consistency(d))
     return Attempt(passages, Generation(_text(g["response"]), _label(g["label"]), _text(g["raw"]),
-                                        logprobs=_logprobs(g)), diag,
+                                        logprobs=_logprobs(g), samples=_samples(g)), diag,
                    {str(k): float(v) for k, v in dict(row["timings_s"]).items()})
 
 
@@ -106,7 +109,7 @@ def attempt_row_ok(chunks: list[dict]):
 
 def generation_row_ok(row: dict) -> bool:
     """A validator of stored generator answers: the row replays as a Generation."""
-    _label(row["label"]), _logprobs(row)
+    _label(row["label"]), _logprobs(row), _samples(row)
     float(row.get("latency_s") or 0.0)
     return isinstance(row["key"], str) and isinstance(row["response"], str) and isinstance(row["raw"], str)
 
@@ -117,6 +120,23 @@ def _logprobs(row: dict) -> tuple[float, ...] | None:
     if lp is not None and not (isinstance(lp, list) and all(map(_is_number, lp))):
         raise TypeError("logprobs is not a list of numbers")
     return None if lp is None else tuple(float(v) for v in lp)
+
+
+def _samples(row: dict) -> tuple[str, ...] | None:
+    """Stored self-consistency samples; None where none were drawn (or rows written before them)."""
+    s = row.get("samples")
+    if s is not None and not (isinstance(s, list) and all(isinstance(v, str) for v in s)):
+        raise TypeError("samples is not a list of strings")
+    return None if s is None else tuple(s)
+
+
+def _consistency(row: dict) -> dict | None:
+    from d2r_edge.consistency import SIGNALS
+
+    c = row.get("consistency")
+    if c is not None and not (isinstance(c, dict) and set(c) == set(SIGNALS) and all(map(_is_number, c.values()))):
+        raise TypeError(f"consistency is not {{{', '.join(SIGNALS)}: number}}")
+    return None if c is None else {k: float(v) for k, v in c.items()}
 
 
 def cost_to_json(m: Measurement | None) -> dict | None:
@@ -228,7 +248,10 @@ class CachedGenerator:
         self.identity = json.dumps({"name": self.name, "model": getattr(inner, "model", None),
                                     "base_url": getattr(inner, "base_url", None),
                                     "temperature": getattr(inner, "temperature", None),
-                                    "max_tokens": getattr(inner, "max_tokens", None)}, sort_keys=True)
+                                    "max_tokens": getattr(inner, "max_tokens", None),
+                                    # (absent when off: the answers cached before samples existed stay valid)
+                                    **({"samples": inner.samples, "sample_temperature": inner.sample_temperature}
+                                       if getattr(inner, "samples", 0) else {})}, sort_keys=True)
         self.log = _RowLog(path, read_only, generation_row_ok)      # read_only: new answers for the driver to `add`
         self._cache = {row["key"]: row for row in self.log.records}
         self.calls = self.hits = 0
@@ -247,13 +270,15 @@ class CachedGenerator:
             # the replayed answer carries the time the real call took, so the attempt's
             # metered cost stays the generator's cost (rows written before this have none)
             return Generation(row["response"], _label(row["label"]), row["raw"],
-                              replayed_s=float(row.get("latency_s") or 0.0), logprobs=_logprobs(row))
+                              replayed_s=float(row.get("latency_s") or 0.0), logprobs=_logprobs(row),
+                              samples=_samples(row))
         self.calls += 1
         t0 = time.perf_counter()
         gen = self.inner.generate(task, style, query, passages)
         self.add({"key": key, "response": gen.response, "label": gen.label.value if gen.label else None,
                   "raw": gen.raw, "latency_s": time.perf_counter() - t0,
-                  "logprobs": None if gen.logprobs is None else list(gen.logprobs)})
+                  "logprobs": None if gen.logprobs is None else list(gen.logprobs),
+                  **({"samples": list(gen.samples)} if gen.samples is not None else {})})
         return gen
 
     def add(self, row: dict) -> None:

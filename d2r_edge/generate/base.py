@@ -20,6 +20,9 @@ class Generation:
     # log-probabilities of the answer's tokens as the server returned them; None: not given
     # (the extractive generator, a server without `logprobs`, a cached answer from before)
     logprobs: tuple[float, ...] | None = None
+    # self-consistency: the answers of N more samples of the same prompt at a temperature > 0
+    # (FEVER: labels, QA: answers; d2r_edge.consistency); None: not asked for
+    samples: tuple[str, ...] | None = None
 
 
 class Generator(Protocol):

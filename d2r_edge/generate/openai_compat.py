@@ -107,6 +107,8 @@ class OpenAICompatible:
                                # signal); dropped if the server rejects the parameter
     backoff_s: float = 0.5
     max_retry_after_s: float = 30.0   # a server asking to wait longer than this is not retried
+    samples: int = 0                  # self-consistency: this many more answers at sample_temperature
+    sample_temperature: float = 0.7
     name: str = "openai"
     _client: httpx.Client | None = field(default=None, init=False, repr=False, compare=False)
     _client_pid: int = field(default=0, init=False, repr=False, compare=False)
@@ -117,6 +119,9 @@ class OpenAICompatible:
             raise ConfigError(f"base_url must start with http:// or https://, got {safe_url(self.base_url)!r}")
         if not self.timeout_s > 0 or self.max_retries < 0 or self.backoff_s < 0 or self.max_retry_after_s < 0:
             raise ConfigError("timeout_s must be > 0; max_retries, backoff_s and max_retry_after_s >= 0")
+        if not isinstance(self.samples, int) or self.samples < 0 or not 0 < self.sample_temperature <= 2:
+            raise ConfigError(f"samples must be an int >= 0 and sample_temperature in (0, 2], got "
+                              f"{self.samples!r} / {self.sample_temperature!r}")
 
     @property
     def where(self) -> str:
@@ -232,16 +237,20 @@ class OpenAICompatible:
                              status=failure.status, attempts=attempts)
 
     def complete(self, messages: list[dict], max_tokens: int | None = None, stop: list[str] | None = None,
-                 json_mode: bool | None = None) -> "ChatResult":
+                 json_mode: bool | None = None, temperature: float | None = None, seed: int | None = None,
+                 logprobs: bool = True) -> "ChatResult":
         """One chat completion with the server's token counts. json_mode (default: this client's)
-        asks for a JSON object; a server that rejects it is asked without, from then on."""
-        payload = {"model": self.model, "temperature": self.temperature,
+        asks for a JSON object; a server that rejects it is asked without, from then on. `seed`: for
+        a sample at a temperature (servers that honour it, llama.cpp among them, then repeat it)."""
+        payload = {"model": self.model, "temperature": self.temperature if temperature is None else temperature,
                    "max_tokens": self.max_tokens if max_tokens is None else max_tokens, "messages": messages}
+        if seed is not None:
+            payload["seed"] = seed
         if stop:
             payload["stop"] = stop
         if (self.json_mode if json_mode is None else json_mode) and self.json_mode:
             payload["response_format"] = {"type": "json_object"}
-        if self.logprobs:
+        if self.logprobs and logprobs:
             # top_logprobs too: llama-cpp-python's server returns none for logprobs=true alone
             payload["logprobs"], payload["top_logprobs"] = True, 1
         t0 = time.perf_counter()
@@ -274,7 +283,18 @@ class OpenAICompatible:
         out = self.complete([{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}])
         gen = parse_output(task, out.text)
         answer = gen.label.value if task.fact_verification and gen.label is not None else gen.response
-        return replace(gen, logprobs=answer_logprobs(out.tokens, answer))
+        gen = replace(gen, logprobs=answer_logprobs(out.tokens, answer))
+        if self.samples:
+            gen = replace(gen, samples=tuple(self._sample(task, prompt, i) for i in range(self.samples)))
+        return gen
+
+    def _sample(self, task: Task, prompt, i: int) -> str:
+        """One more answer to the same prompt at `sample_temperature` (seed i: reproducible where the
+        server honours seeds; a server caching the prompt only decodes the answer again)."""
+        out = self.complete([{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}],
+                            temperature=self.sample_temperature, seed=i, logprobs=False)
+        g = parse_output(task, out.text)
+        return (g.label.value if g.label is not None else "NOT ENOUGH INFO") if task.fact_verification else g.response
 
 
 @dataclass(frozen=True)

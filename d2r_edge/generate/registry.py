@@ -37,7 +37,8 @@ def _openai(settings, enc: Encoders):
     from d2r_edge.generate.openai_compat import OpenAICompatible
 
     return OpenAICompatible(settings.base_url, settings.model, api_key_env=settings.api_key_env,
-                            timeout_s=settings.timeout_s)
+                            timeout_s=settings.timeout_s, samples=settings.self_consistency,
+                            sample_temperature=settings.sample_temperature)
 
 
 GENERATORS: dict[str, GeneratorSpec] = {spec.name: spec for spec in (
