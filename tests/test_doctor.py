@@ -334,3 +334,18 @@ def test_summary_scores_the_checkable_labels_as_recall_specificity_and_balanced_
     # an always-insufficient diagnoser gets 0.5, however few failures have the evidence
     lazy = summarize([rec("retriever", False, False, g) for g in [True] + [False] * 9], 10, 0, "jsonl")
     assert lazy["sufficiency_balanced_accuracy"] == 0.5 and lazy["sufficiency_agrees_with_gold_in_evidence"] == 0.9
+
+
+def test_the_doctors_llm_client_never_asks_for_log_probabilities():
+    """Nothing in trajectory mode reads them; llama-cpp-python's server pays a vocabulary sort per token."""
+    import argparse
+
+    from stand_ins import ScriptedServer
+
+    from d2r_edge.doctor.cli import _doctor_chat
+
+    with ScriptedServer() as srv:
+        srv.replies.append((200, {"choices": [{"message": {"content": "{}"}}]}))
+        chat = _doctor_chat(argparse.Namespace(base_url=srv.url, model="m", api_key_env=None, timeout_s=5.0))
+        assert chat([{"role": "user", "content": "hi"}], 8).text == "{}"
+        assert "logprobs" not in srv.seen[0] and "top_logprobs" not in srv.seen[0]

@@ -22,10 +22,12 @@ def _doctor_models(args: argparse.Namespace):
 
 
 def _doctor_chat(args: argparse.Namespace):
-    """The client's `complete`: repairs and the LLM diagnoser ask for JSON only where they say so."""
+    """The client's `complete`: repairs and the LLM diagnoser ask for JSON only where they say so, and
+    never for token log-probabilities (nothing here reads them, and llama-cpp-python's server sorts
+    the whole vocabulary for every generated token when they are asked for)."""
     from d2r_edge.generate.openai_compat import OpenAICompatible
 
-    client = OpenAICompatible(args.base_url, args.model, args.api_key_env, args.timeout_s)
+    client = OpenAICompatible(args.base_url, args.model, args.api_key_env, args.timeout_s, logprobs=False)
     return lambda messages, max_tokens, stop=None, json_mode=False: client.complete(messages, max_tokens, stop,
                                                                                    json_mode)
 
