@@ -28,7 +28,8 @@ from d2r_edge.onnx.session import Device, SessionConfig
 torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
-CACHE = ROOT / "models" / ".bench-cache"
+# real-size random exports, once per content key: .ci/run points this at ~/.cache/d2r-edge (bash .ci/models bench)
+CACHE = Path(os.environ.get("D2R_BENCH_CACHE") or ROOT / "models" / ".bench-cache")
 CPU = SessionConfig(device=Device.CPU)
 
 
@@ -122,8 +123,9 @@ def _nli_suite(benchmark, record, models_dir: Path, key: str, how: str):
 
 NLI_HOWS = ["ort-int8-batched", "ort-int8-one-by-one", "torch-fp32-one-by-one", "torch-fp32-batched"]
 FULL = os.environ.get("D2R_FULL") == "1"      # `.ci/run --full`: every variant at real size too
-# real size: the variants the asserted ratios read; the others only under --full
-NLI_BASE_HOWS = NLI_HOWS if FULL else ["ort-int8-batched", "torch-fp32-one-by-one", "torch-fp32-batched"]
+# real size: the variants the asserted ratios read; the others only under --full (PyTorch batched was
+# 1.9x slower than one pair per call in every run here, so "PyTorch at its best" is the loop without it)
+NLI_BASE_HOWS = NLI_HOWS if FULL else ["ort-int8-batched", "torch-fp32-one-by-one"]
 
 
 @pytest.fixture(scope="module")
@@ -246,8 +248,9 @@ def test_onnx_targets_real_size():
     r = ratio_or_skip("nli-base-torch-fp32-one-by-one", "nli-base-ort-int8-batched")
     assert r >= NLI_BASE_FLOOR, (f"deberta-v3-base batched int8 diagnosis only {r:.2f}x the reference loop "
                                  f"({machine()})")
-    # against PyTorch fp32 at its best (one pair per call beats batching on this CPU)
-    torch_best = min(RESULTS["nli-base-torch-fp32-batched"], RESULTS["nli-base-torch-fp32-one-by-one"])
+    # against PyTorch fp32 at its best (one pair per call beats batching on this CPU; both under --full)
+    torch_best = min(RESULTS[k] for k in ("nli-base-torch-fp32-batched", "nli-base-torch-fp32-one-by-one")
+                     if k in RESULTS)
     q = torch_best / RESULTS["nli-base-ort-int8-batched"]
     assert q >= NLI_BASE_FLOOR, f"deberta-v3-base ORT int8 only {q:.2f}x PyTorch fp32 ({machine()})"
     g = ratio_or_skip("rebel-large-torch-fp32-generate", "rebel-large-ort-int8-greedy")
