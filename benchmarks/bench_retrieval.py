@@ -145,11 +145,11 @@ def test_embedding_throughput(benchmark, record, embedder):
 @pytest.mark.parametrize("how", ["rebuild", "refresh-100"])
 def test_refresh_vs_rebuild(benchmark, record, embedder, tmp_path_factory, how):
     """At 20k passages: a full rebuild (chunk, embed, index) vs refreshing 100 passages in."""
+    import shutil
+
     from d2r_edge.eval.datasets import write_docs
     from d2r_edge.retrieval.docs import Document
     from d2r_edge.retrieval.kb import KnowledgeBase
-
-    import shutil
 
     texts = _corpus(20_100)
     docs = [Document(f"d{i}", "", t[:400]) for i, t in enumerate(texts)]
