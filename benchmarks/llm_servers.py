@@ -7,9 +7,10 @@ Starts each server on loopback with the same GGUF - llama-cpp-python's (`python 
 llama_cpp.server`) and llama.cpp's own `llama-server` (models/llm/bin, built by `bash .ci/setup-llm
 llama-server`) - and answers the same FEVER dev claims through d2r-edge's client
 (`OpenAICompatible`, the prompt `run` uses, five titled passages: the claim's evidence and four
-other claims'), each claim three ways: greedy without log-probabilities, greedy with them, and
-the self-consistency samples (`--samples` more answers at temperature 0.7 to the same prompt).
-Prints, and writes with --out, wall seconds per answer (median, p90) and the completion tokens.
+other claims'): per claim the first answer (prompt not cached), then with the prompt cached a
+greedy answer without and one with log-probabilities (alternating which goes first) and the
+self-consistency samples (`--samples` more answers at temperature 0.7 to the same prompt).
+Prints, and writes with --out, wall seconds (median, p90) and the paired log-prob overhead.
 Not a pytest benchmark: it needs the LLM build and a GGUF, and takes minutes.
 """
 
@@ -79,30 +80,42 @@ def _stats(xs: list[float]) -> dict:
 
 
 def measure(url: str, work: list[tuple[str, list[str]]], samples: int) -> dict:
-    out = {}
-    for name, kwargs in (("greedy", {"logprobs": False}), ("greedy+logprobs", {"logprobs": True}),
-                         (f"{samples} samples", {"logprobs": False, "samples": samples})):
-        client = OpenAICompatible(url, "local", api_key_env=None, timeout_s=300, max_retries=0, **kwargs)
-        client.generate(Task.FEVER, PromptStyle.SIMPLE, work[0][0], work[0][1])        # warm-up (also the prompt cache)
-        times, labels, have_lp = [], [], 0
-        for claim, passages in work:
+    """Per claim: the first answer (its prompt not cached: what a run pays), then with the prompt
+    cached, a greedy answer without and one with log-probabilities (in alternating order) and the
+    `samples` answers at temperature 0.7: the cached calls differ only in what is decoded."""
+    def client(**kw):
+        return OpenAICompatible(url, "local", api_key_env=None, timeout_s=600, max_retries=0, **kw)
+
+    plain, lp, sampler = client(logprobs=False), client(logprobs=True), client(logprobs=False, samples=samples)
+    plain.generate(Task.FEVER, PromptStyle.SIMPLE, "A warm-up claim.", ["Warm-up\nNothing."])
+    times: dict[str, list[float]] = {"first answer (prompt not cached)": [], "greedy, cached prompt": [],
+                                     "greedy + log-probs, cached prompt": [],
+                                     f"{samples} samples at 0.7, cached prompt": []}
+    answers, overhead = [], []
+    for i, (claim, passages) in enumerate(work):
+        def timed(fn):
             t0 = time.perf_counter()
-            if name.endswith("samples"):
-                # the samples alone: the greedy answer's call happens first, uncounted, as in a run
-                prompt_client = OpenAICompatible(url, "local", api_key_env=None, timeout_s=300, max_retries=0,
-                                                 logprobs=False)
-                prompt_client.generate(Task.FEVER, PromptStyle.SIMPLE, claim, passages)
-                t0 = time.perf_counter()
-                prompt = build_prompt(Task.FEVER, PromptStyle.SIMPLE, claim, passages)
-                labels.append([client._sample(Task.FEVER, prompt, i) for i in range(samples)])
-            else:
-                g = client.generate(Task.FEVER, PromptStyle.SIMPLE, claim, passages)
-                labels.append(g.label.value if g.label else None)
-                have_lp += g.logprobs is not None
-            times.append(time.perf_counter() - t0)
-        out[name] = {**_stats(times), "with_logprobs": have_lp, "answers": labels}
-        client.close()
-    return out
+            out = fn()
+            return out, time.perf_counter() - t0
+
+        g, t = timed(lambda: plain.generate(Task.FEVER, PromptStyle.SIMPLE, claim, passages))
+        times["first answer (prompt not cached)"].append(t)
+        pair = [("greedy, cached prompt", plain), ("greedy + log-probs, cached prompt", lp)]
+        got = {}
+        for name, c in (pair if i % 2 == 0 else pair[::-1]):
+            got[name], t = timed(lambda c=c: c.generate(Task.FEVER, PromptStyle.SIMPLE, claim, passages))
+            times[name].append(t)
+        overhead.append(times["greedy + log-probs, cached prompt"][-1] - times["greedy, cached prompt"][-1])
+        prompt = build_prompt(Task.FEVER, PromptStyle.SIMPLE, claim, passages)
+        drawn, t = timed(lambda: [sampler._sample(Task.FEVER, prompt, k) for k in range(samples)])
+        times[f"{samples} samples at 0.7, cached prompt"].append(t)
+        answers.append({"greedy": g.label.value if g.label else None,
+                        "with_logprobs": got["greedy + log-probs, cached prompt"].logprobs is not None,
+                        "samples": drawn})
+    for c in (plain, lp, sampler):
+        c.close()
+    return {"times": {k: _stats(v) for k, v in times.items()}, "logprob_overhead": _stats(overhead),
+            "answers": answers}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-        for name, r in result["servers"][kind].items():
-            print(f"{kind:18s} {name:18s} median {r['median_s']:.2f} s  p90 {r['p90_s']:.2f} s  "
-                  f"(n {r['n']}, with log-probs {r['with_logprobs']})", flush=True)
+        r = result["servers"][kind]
+        for name, st in [*r["times"].items(), ("log-prob overhead (paired)", r["logprob_overhead"])]:
+            print(f"{kind:18s} {name:38s} median {st['median_s']:6.2f} s  p90 {st['p90_s']:6.2f} s  (n {st['n']})",
+                  flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
