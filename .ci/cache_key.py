@@ -4,9 +4,9 @@
 
 Hashed: every file of export/ and every d2r_edge module the export imports (followed through
 the import graph, lazy imports included, by the same AST walk as tests/test_runtime_imports.py;
-a module it cannot place pulls in all of d2r_edge), models/profiles.toml, pyproject.toml, the
-installed packages and versions (`pip freeze`, d2r-edge's own line left out: it names the
-commit), the Python build, and the shared data's files by name and sha256.
+a module it cannot place pulls in all of d2r_edge), models/profiles.toml, pyproject.toml, .ci/models
+(the build requests), the installed packages and versions (`pip freeze`, d2r-edge's own line left
+out: it names the commit), the Python build, and the shared data's files by name and sha256.
 A change to any of them is another key: a cached build is never reused for a tree it was not
 built from. A change elsewhere (the server, the pipeline, tests, docs) keeps the key.
 """
@@ -67,7 +67,9 @@ def export_closure() -> list[Path]:
 
 def key() -> str:
     h = hashlib.sha256()
-    for path in [*export_closure(), ROOT / "models" / "profiles.toml", ROOT / "pyproject.toml"]:
+    # .ci/models holds the build requests themselves (which profile, which arguments)
+    for path in [*export_closure(), ROOT / "models" / "profiles.toml", ROOT / "pyproject.toml",
+                 ROOT / ".ci" / "models"]:
         h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     freeze = subprocess.run([sys.executable, "-m", "pip", "freeze", "--all"], capture_output=True, text=True,
                             check=True).stdout
