@@ -387,4 +387,7 @@ class Detector:
 
 def first_answer(fact_verification: bool, attempt) -> str:
     """The generator's answer before the UNVERIFIED gate."""
-    return attempt.generation.answer(fact_verification)
+    if fact_verification:
+        label = attempt.generation.label
+        return label.value if label is not None else "NOT ENOUGH INFO"
+    return attempt.generation.response

@@ -24,12 +24,6 @@ class Generation:
     # (FEVER: labels, QA: answers; d2r_edge.consistency); None: not asked for
     samples: tuple[str, ...] | None = None
 
-    def answer(self, fact_verification: bool) -> str:
-        """The answer as scored: FEVER the label (none parsed: NOT ENOUGH INFO), QA the response."""
-        if fact_verification:
-            return self.label.value if self.label is not None else "NOT ENOUGH INFO"
-        return self.response
-
 
 class Generator(Protocol):
     name: str

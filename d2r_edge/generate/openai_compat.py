@@ -293,7 +293,8 @@ class OpenAICompatible:
         server honours seeds; a server caching the prompt only decodes the answer again)."""
         out = self.complete([{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}],
                             temperature=self.sample_temperature, seed=i, logprobs=False)
-        return parse_output(task, out.text).answer(task.fact_verification)
+        g = parse_output(task, out.text)
+        return (g.label.value if g.label is not None else "NOT ENOUGH INFO") if task.fact_verification else g.response
 
 
 @dataclass(frozen=True)
