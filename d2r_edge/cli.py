@@ -285,6 +285,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from d2r_edge.view import write_report
+
+    records = Path(args.records)
+    out = Path(args.out) if args.out else records.with_suffix(".html")
+    summary = write_report(records, out, kb=Path(args.kb) if args.kb else None)
+    print(f"{out}: {summary['records']} records, {summary['repaired']} repaired, "
+          f"{summary['wrong_to_right']} wrong -> right, {summary['right_to_wrong']} right -> wrong")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from d2r_edge.serve import ServeConfig, serve
 
@@ -294,7 +305,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(records_path=Path(args.records) if args.records else None, learn=args.learn,
                          policy_path=settings.policy_path, checkpoint_every_updates=args.checkpoint_every,
                          api_key_env=args.serve_key_env, max_concurrency=args.max_concurrency,
-                         max_body_bytes=args.max_body_bytes)
+                         max_body_bytes=args.max_body_bytes, ui=args.ui, ui_keep=args.ui_keep)
     serve(settings, config, host=args.host, port=args.port)
     return 0
 
@@ -533,6 +544,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "repair runs only if predicted to fit (as serve's X-D2R-Deadline-Ms)")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("report", help="a records file as one self-contained HTML page: summary, filters, a card "
+                                      "per query (opens from disk, loads nothing from the network)")
+    p.add_argument("records", help="records JSONL of run, train or serve --records")
+    p.add_argument("--out", help="the HTML file (default: RECORDS with .html)")
+    p.add_argument("--kb", help="the KB the records were answered from: passage titles and text on the cards")
+    p.set_defaults(func=cmd_report)
+
     p = sub.add_parser("serve", help="an OpenAI-compatible endpoint that answers, verifies and repairs "
                                      "(the [serve] extra)")
     p.add_argument("--kb", required=True, help="knowledge-base directory (d2r-edge index build)")
@@ -546,6 +564,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="update the policy online (Alg. 2, label-free) and checkpoint it to --policy every "
                         "--checkpoint-every updates and on shutdown; frozen otherwise")
     p.add_argument("--checkpoint-every", type=int, default=50, help="--learn: checkpoint every N updates")
+    p.add_argument("--ui", action="store_true",
+                   help="GET /ui: the last answered requests as report cards in a browser (behind --api-key-env "
+                        "through a sign-in form and a session cookie; off by default)")
+    p.add_argument("--ui-keep", type=int, default=200, metavar="N", help="requests /ui keeps (default 200)")
     p.add_argument("--api-key-env", dest="serve_key_env", default=None, metavar="NAME",
                    help="require 'Authorization: Bearer $NAME' on every route but /healthz")
     p.add_argument("--max-concurrency", type=int, default=16,

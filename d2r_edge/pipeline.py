@@ -285,6 +285,7 @@ class Pipeline:
             "propensity": propensity, "explored": explored, "latency_s": cost.latency_s,
             "mem_growth_mib": cost.mem_growth_mib, "memory_kind": cost.memory_kind.value,
             "over_budget": cost.latency_s > self.budget.latency_s or cost.mem_growth_mib > self.budget.device_mem_mib,
+            "budget": {"latency_s": self.budget.latency_s, "device_mem_mib": self.budget.device_mem_mib},
             "reward": r, "x": x.tolist() if learn else None, "policy_s": policy_s,
             "is_retrieval_arm": bool(IS_RETRIEVAL[arm]), "unavailable": dict(self.arms.unavailable),
             "policy_updates": updates_after,

@@ -84,8 +84,8 @@ def _use(kind: str, obj) -> None:
 
 
 _KEYS = {"linucb": ["n_arms", "dim", "alpha", "reinvert_every", "arm_names", "A", "A_inv", "b", "theta", "counts",
-                    "since_reinvert", "format_version", "kind"],
-         "thompson": ["n_arms", "threshold", "seed", "arm_names", "successes", "failures", "rng_state", "rng_inc"],
+                    "since_reinvert", "rank", "W", "format_version", "kind"],
+         "thompson": ["n_arms", "threshold", "seed", "arm_names", "successes", "failures", "xoshiro_state"],
          "costs": ["n_arms", "window", "quantile", "min_observations", "count", "mean", "m2", "recent"]}
 
 

@@ -8,7 +8,7 @@ import pytest
 from d2r_edge.config import ExplorationConfig
 from d2r_edge.errors import PolicyError, PolicyFileError
 from d2r_edge.policy import Explorer, LinUCB, ThompsonSampling, exploration_weights
-from d2r_edge.policy.linucb import _ucb_select, exact_inverse
+from d2r_edge.policy.linucb import DENSE, DRIFT_BOUND, _ucb, exact_inverse, pack, switch_rank, unpack
 
 
 class ReferenceLinUCB:
@@ -273,27 +273,71 @@ def test_exploration_off_is_pure_policy():
     assert d.arm == 0 and d.propensity == 1.0 and not d.explored
 
 
+_STATE = ("_a_p", "_inv_p", "_inv32_p", "_w", "rank", "b", "theta", "counts", "_since_reinvert")
+
+
 def test_select_from_the_float32_mirror_is_the_float64_argmax(tmp_path):
-    """select reads float32 A_inv with an error bound; it must pick what float64 scores pick."""
+    """select reads float32 A_inv (dense arms) with an error bound, W in float64 (low-rank arms);
+    it must pick what float64 scores pick, through both forms and the switch between them."""
     rng = np.random.default_rng(5)
     pol = LinUCB(11, 40, alpha=2.0, reinvert_every=50)
+    forms = set()
     for step in range(600):
         x = rng.normal(size=40) * rng.choice([1e-3, 1.0, 30.0])
         allowed = rng.random(11) < 0.7
         allowed[rng.integers(11)] = True
         scores = pol.scores(x, allowed)
         assert pol.select(x, allowed) == int(np.argmax(scores)), step
+        forms.add(tuple(sorted(set(np.where(pol.rank == DENSE, "dense", "low-rank")))))
         pol.update(int(rng.integers(11)), rng.normal(size=40), float(rng.random()))
-    assert np.array_equal(pol._a_inv32, pol.A_inv.astype(np.float32))    # kept in step, reinversions too
+    assert {("low-rank",), ("dense", "low-rank"), ("dense",)} <= forms
+    assert np.array_equal(pol._inv32_p, pol._inv_p.astype(np.float32))    # kept in step, reinversions too
     # an exact tie between two trained arms: float32 bounds overlap, float64 decides, lowest index wins
-    for name in ("A", "A_inv", "_a_inv32", "b", "theta"):
+    for name in _STATE:
         getattr(pol, name)[7] = getattr(pol, name)[2]
     x = next(x for x in rng.normal(size=(500, 40)) if int(np.argmax(pol.scores(x))) == 2)
     assert pol.scores(x)[2] == pol.scores(x)[7] and pol.select(x) == 2
     pol.save(tmp_path / "p.npz")
     loaded = LinUCB.load(tmp_path / "p.npz")
-    assert np.array_equal(loaded._a_inv32, pol._a_inv32) and loaded.select(x) == pol.select(x)
+    assert np.array_equal(loaded._inv32_p, pol._inv32_p) and loaded.select(x) == pol.select(x)
 
+
+def test_low_rank_form_is_the_inverse_and_switches_to_dense_where_it_stops_paying(tmp_path):
+    """While an arm has seen t <= (d + 1) / 4 contexts, A^-1 = I - W^T W (no matrix is inverted);
+    the next update moves it to the packed dense form by an exact inversion. Ties between a
+    low-rank and a dense arm still go to the lowest index; the state stays <= 2x the float64 floor."""
+    rng = np.random.default_rng(2)
+    d = 147
+    pol = LinUCB(3, d, alpha=1.5)
+    t_max = switch_rank(d)
+    assert t_max == 37
+    for t in range(t_max + 2):
+        x = rng.normal(size=d) * rng.choice([1e-2, 1.0, 20.0])
+        pol.update(0, x, float(rng.random()))
+        assert pol.rank[0] == (t + 1 if t + 1 <= t_max else DENSE)
+        exact = exact_inverse(pol.A[0])
+        assert np.linalg.norm(pol.A_inv[0] - exact) / np.linalg.norm(exact) < DRIFT_BOUND, t
+        assert np.allclose(pol.theta[0], exact @ pol.b[0], rtol=1e-10, atol=1e-12)
+        if t == t_max - 1:
+            low = pol.scores(np.ones(d))[0]
+    # a dense arm and a low-rank arm with the same A: same UCB to rounding, the choice is the argmax
+    for x in rng.normal(size=(50, d)):
+        assert pol.select(x) == int(np.argmax(pol.scores(x)))
+    assert abs(pol.scores(np.ones(d))[0] - low) > 0        # the arm learned past the switch
+    floor = 3 * d * d * 8
+    assert pol.state_bytes <= 2 * floor, pol.state_bytes / floor
+    assert np.array_equal(unpack(pack(pol.A), d), pol.A)
+    # a file from before the low-rank form (no rank / W): every arm loads dense, same choices
+    pol.update(1, rng.normal(size=d), 0.3)
+    pol.save(tmp_path / "new.npz")
+    with np.load(tmp_path / "new.npz") as z:
+        old = {k: z[k] for k in z.files if k not in ("rank", "W")}
+    np.savez(tmp_path / "old.npz", **old)
+    a, b = LinUCB.load(tmp_path / "new.npz"), LinUCB.load(tmp_path / "old.npz")
+    assert list(a.rank) == [DENSE, 1, 0] and list(b.rank) == [DENSE] * 3
+    for x in rng.normal(size=(30, d)):
+        assert a.select(x) == b.select(x) == pol.select(x)
+        assert np.allclose(a.scores(x), b.scores(x), rtol=1e-12)
 
 
 def test_select_float32_bounds_hold_at_extreme_scales_and_stay_tight():
@@ -305,22 +349,77 @@ def test_select_float32_bounds_hold_at_extreme_scales_and_stay_tight():
     pol = LinUCB(11, dim, alpha=2.0)
     for _ in range(400):
         pol.update(int(rng.integers(11)), rng.normal(size=dim) * rng.choice([1e-3, 1.0, 50.0]), float(rng.random()))
+    assert np.all(pol.rank == DENSE)
     allowed = np.ones(11, dtype=bool)
     for scale in (1e-300, 1e-42, 1e-20, 1e-3, 1.0, 1e6, 1e150, 1e200):
         for _ in range(30):
             x = rng.normal(size=dim) * scale
             x[rng.random(dim) < 0.3] *= 1e-30                      # mixed: some entries far below the rest
             assert pol.select(x) == int(np.argmax(pol.scores(x))), scale
-    lo, hi, x32 = np.empty(11), np.empty(11), np.empty(dim, dtype=np.float32)
+    buf, x32 = np.empty((3, 11)), np.empty(dim, dtype=np.float32)
     separated = 0
     for _ in range(200):
         x = rng.normal(size=dim)
-        _ucb_select(pol.A_inv, pol._a_inv32, pol.theta, x, 2.0, allowed, lo, hi, x32)
+        _ucb(pol._inv_p, pol._inv32_p, pol._w, pol.rank, pol.theta, x, 2.0, allowed, False, buf, x32)
+        lo, hi = buf[0].copy(), buf[1].copy()
         scores = pol.scores(x)
         assert np.all(lo <= scores) and np.all(scores <= hi)
         assert np.all((hi - lo) <= 1e-4 * np.abs(scores))
         separated += int(np.sum(hi >= lo.max()) == 1)
     assert separated >= 190
+
+
+def test_select_refuses_a_non_finite_context_from_the_kernel():
+    pol = LinUCB(3, 5)
+    x = np.ones(5)
+    x[3] = np.nan
+    with pytest.raises(PolicyError, match="index 3"):
+        pol.select(x)
+    with pytest.raises(PolicyError, match="length 5"):
+        pol.select(np.ones(4))
+
+
+def test_thompson_draws_are_beta_distributed():
+    """The jitted sampler (xoshiro256**, Marsaglia-Tsang gammas) against Beta's moments and numpy's
+    Beta quantiles, for shapes below 1 (a loaded file may hold them), at 1 and large."""
+    params = np.array([(1, 1), (3, 7), (50, 2), (0.5, 0.5), (400, 600), (1, 30), (0.3, 4)], dtype=float)
+    ts = ThompsonSampling(len(params), seed=11)
+    ts.successes[:], ts.failures[:] = params[:, 0], params[:, 1]
+    n = 40_000
+    draws = np.array([ts.scores() for _ in range(n)])
+    a, b = params[:, 0], params[:, 1]
+    mean, var = a / (a + b), a * b / ((a + b) ** 2 * (a + b + 1))
+    assert np.all(np.abs(draws.mean(0) - mean) < 5 * np.sqrt(var / n)), (draws.mean(0), mean)
+    assert np.all(np.abs(draws.var(0) / var - 1) < 0.05), draws.var(0) / var
+    ref = np.random.default_rng(0).beta(a, b, size=(n, len(a)))
+    for q in (0.1, 0.5, 0.9):
+        assert np.allclose(np.quantile(draws, q, axis=0), np.quantile(ref, q, axis=0), atol=0.01)
+    assert np.all((draws >= 0) & (draws <= 1))
+    # select is the argmax of the same draws: one stream, two policies in step
+    x, y = ThompsonSampling(5, seed=2), ThompsonSampling(5, seed=2)
+    assert all(int(np.argmax(x.scores())) == y.select() for _ in range(200))
+
+
+def test_thompson_file_from_before_the_jitted_sampler_loads(tmp_path):
+    ts = ThompsonSampling(4, seed=7)
+    ts.update(1, None, 0.9)
+    ts.save(tmp_path / "new.npz")
+    with np.load(tmp_path / "new.npz") as z:
+        arrays = {k: z[k] for k in z.files if k != "xoshiro_state"}
+    picks = []
+    for state in (123456789 << 70 | 5, 987654321):
+        np.savez(tmp_path / "old.npz", **arrays, rng_state=np.array(repr(state)), rng_inc=np.array(repr(7)))
+        old = ThompsonSampling.load(tmp_path / "old.npz")
+        assert old.successes.tolist() == [1, 2, 1, 1]
+        picks.append([old.select() for _ in range(30)])
+    assert picks[0] != picks[1]                       # seeded from the old state, not from a constant
+    np.savez(tmp_path / "bad.npz", **arrays, rng_state=np.array("not a number"), rng_inc=np.array("7"))
+    with pytest.raises(PolicyFileError, match="sampler state"):
+        ThompsonSampling.load(tmp_path / "bad.npz")
+    np.savez(tmp_path / "zero.npz", **arrays, xoshiro_state=np.zeros(4, dtype=np.uint64))
+    with pytest.raises(PolicyFileError, match="xoshiro_state"):
+        ThompsonSampling.load(tmp_path / "zero.npz")
+
 
 def test_thompson_keyed_draws_do_not_depend_on_query_order():
     """A frozen policy answering query q draws from (seed, posterior, q): the same arm for q

@@ -37,6 +37,7 @@ from d2r_edge.redact import redact, register_secret
 from d2r_edge.runner import RecordLog, run_record_ok
 from d2r_edge.runtime import Result, Runtime
 from d2r_edge.serve.metrics import Metrics
+from d2r_edge.serve.ui import Ui, ui_cards, ui_login, ui_page
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,11 @@ class ServeConfig:
     max_concurrency: int = 16               # requests admitted at once (running or queued); more -> 429
     max_body_bytes: int = 1 << 20
     model_name: str = api.MODEL_NAME
+    ui: bool = False                        # GET /ui: the last `ui_keep` answered requests as report cards
+    ui_keep: int = 200
 
     def __post_init__(self) -> None:
-        for name in ("checkpoint_every_updates", "max_concurrency", "max_body_bytes"):
+        for name in ("checkpoint_every_updates", "max_concurrency", "max_body_bytes", "ui_keep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
@@ -98,6 +101,7 @@ class Server:
         self._records_lock = threading.Lock()
         self._pending_updates = 0
         self.records = None
+        self.ui = Ui(config.api_key(), config.ui_keep, config.records_path) if config.ui else None
         batcher = _find(runtime.pipeline.diagnoser.nli, MicroBatcher)
         if batcher is not None:
             batcher.on_batch = self.metrics.batch_pairs.observe
@@ -116,6 +120,8 @@ class Server:
         if self.records is not None:
             with self._records_lock:
                 self.records.append(res.record)
+        if self.ui is not None:
+            self.ui.add(res.record)
         if self.config.learn and res.repaired:
             self.metrics.policy_updates.inc()
             with self._records_lock:
@@ -297,6 +303,18 @@ def create_app(runtime: Runtime, config: ServeConfig = ServeConfig()) -> Starlet
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @route("ui", admitted=False)
+    async def ui_index(request: Request) -> Response:
+        return await ui_page(server.ui, request)
+
+    @route("ui_cards", admitted=False)
+    async def ui_data(request: Request) -> Response:
+        return await ui_cards(server.ui, request)
+
+    @route("ui_login", admitted=False)
+    async def ui_sign_in(request: Request) -> Response:
+        return await ui_login(server.ui, request)
+
     async def not_found(request: Request, exc: HTTPException) -> Response:
         server.metrics.requests.labels("other", str(exc.status_code)).inc()
         return _error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
@@ -315,21 +333,27 @@ def create_app(runtime: Runtime, config: ServeConfig = ServeConfig()) -> Starlet
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *([Route("/ui", ui_index, methods=["GET"]), Route("/ui/cards.json", ui_data, methods=["GET"]),
+           Route("/ui/login", ui_sign_in, methods=["POST"])] if config.ui else []),
     ], exception_handlers={HTTPException: not_found}, lifespan=lifespan)
     app.state.server = server
     key = config.api_key()
-    return BearerAuth(app, key) if key else app
+    return BearerAuth(app, key, UI_PATHS if config.ui else ()) if key else app
+
+
+UI_PATHS = ("/ui", "/ui/cards.json", "/ui/login")     # they check the key or a session cookie themselves
 
 
 class BearerAuth:
-    """ASGI middleware: every route but /healthz needs `Authorization: Bearer <key>`."""
+    """ASGI middleware: every route but /healthz (and serve --ui's pages) needs `Authorization: Bearer <key>`."""
 
-    def __init__(self, app, key: str) -> None:
+    def __init__(self, app, key: str, own_auth: tuple[str, ...] = ()) -> None:
         self.app, self._key = app, key.encode("utf-8")
         self.state = getattr(app, "state", None)
+        self._open = {"/healthz", *own_auth}
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope.get("path") != "/healthz":
+        if scope["type"] == "http" and scope.get("path") not in self._open:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):

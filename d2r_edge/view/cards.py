@@ -1,0 +1,165 @@
+"""Run and serve records as compact cards and a summary: the data behind `d2r-edge report`.
+
+A card keeps what the page shows of one record and nothing else (no context vector, no raw
+request): query, gold, first and final answers, the failure and the signals behind it, each
+passage with its title and NLI probabilities, the arms allowed / cost-masked / unavailable with
+why, the chosen arm against the budget, and the stage times. Text stays as it came (it is
+escaped where it is shown); numbers are rounded to what a person reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from d2r_edge.errors import InputError
+from d2r_edge.jsonl import loads as json_line
+
+STAGES = ("embed_query_s", "retrieve_s", "refresh_s", "generate_s", "diagnose_s")
+NLI_KEYS = ("entailment", "neutral", "contradiction")
+
+
+def read_records(path: Path) -> tuple[list[dict], list[int]]:
+    """Records of a JSONL file (run, train or serve --records) and the numbers of lines that are not one
+    (a damaged or truncated line is skipped, and the page says which)."""
+    if not path.is_file():
+        raise InputError(f"no records file at {path}: give the --out of `d2r-edge run` or serve's --records")
+    rows, bad = [], []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json_line(line)
+            except ValueError:
+                row = None
+            if isinstance(row, dict) and isinstance(row.get("id"), (str, int)):
+                rows.append(row)
+            else:
+                bad.append(n)
+    if bad and not rows:
+        raise InputError(f"{path}: no line is a d2r-edge record (first bad line {bad[0]})")
+    return rows, bad
+
+
+def passage_titles(kb_dir: Path | None) -> dict[str, dict]:
+    """doc_id -> {title, text} from a KB's chunks (the first chunk's text), for passage cards."""
+    if kb_dir is None:
+        return {}
+    path = Path(kb_dir) / "chunks.jsonl"
+    if not path.is_file():
+        raise InputError(f"no chunks.jsonl under {kb_dir}: give the --kb the records were answered from")
+    out: dict[str, dict] = {}
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                row = json_line(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("doc_id"), str) and row["doc_id"] not in out:
+                out[row["doc_id"]] = {"title": str(row.get("title") or ""), "text": str(row.get("text") or "")[:600]}
+    return out
+
+
+def _num(v, digits: int = 4):
+    return round(float(v), digits) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+        else None
+
+
+def _probs(p) -> list | None:
+    if not isinstance(p, dict):
+        return None
+    return [_num(p.get(k), 3) for k in NLI_KEYS]
+
+
+def _attempt(att, titles: dict[str, dict]) -> dict | None:
+    if not isinstance(att, dict):
+        return None
+    ids = [str(x) for x in att.get("passages") or []]
+    nq, nr = att.get("nli_q") or [], att.get("nli_r") or []
+    passages = []
+    for i, doc in enumerate(ids):
+        meta = titles.get(doc, {})
+        passages.append({"id": doc, "title": meta.get("title", ""), "text": meta.get("text", ""),
+                         "q": _probs(nq[i]) if i < len(nq) else None, "r": _probs(nr[i]) if i < len(nr) else None})
+    times = att.get("timings_s") or {}
+    return {"label": att.get("label"), "gated": att.get("gated_label"), "response": str(att.get("response") or ""),
+            "failure": att.get("failure"), "e_q": att.get("e_q"), "e_r": att.get("e_r"), "kg": att.get("kg"),
+            "passages": passages, "stages": {k: _num(times.get(k), 5) for k in STAGES if k in times},
+            "mem_mib": _num(times.get("mem_growth_mib"), 2)}
+
+
+def _answer(v) -> str:
+    if v is None:
+        return ""
+    return v if isinstance(v, str) else ", ".join(map(str, v)) if isinstance(v, list) else str(v)
+
+
+def card(rec: dict, titles: dict[str, dict]) -> dict:
+    rep = rec.get("repair") if isinstance(rec.get("repair"), dict) else None
+    first_c, final_c = rec.get("first_correct"), rec.get("final_correct")
+    out = {
+        "id": str(rec.get("id")), "task": rec.get("task"), "query": str(rec.get("query") or ""),
+        "gold": _answer(rec.get("gold_label") if rec.get("gold_label") is not None else rec.get("gold_answer")),
+        "first_answer": _answer(rec.get("first_answer")), "final_answer": _answer(rec.get("final_answer")),
+        "first_correct": first_c if isinstance(first_c, bool) else None,
+        "final_correct": final_c if isinstance(final_c, bool) else None,
+        "failure": rec.get("failure") or "unknown", "gate": rec.get("gate"), "p_wrong": _num(rec.get("p_wrong"), 3),
+        "error": None if rec.get("error") is None else str(rec.get("error"))[:300],
+        "repair_error": None if rec.get("repair_error") is None else str(rec.get("repair_error"))[:300],
+        "total_s": _num(rec.get("total_s"), 4), "first": _attempt(rec.get("first"), titles),
+        "final": _attempt(rec.get("final"), titles) if rep else None, "repair": None,
+    }
+    if rep:
+        budget = rep.get("budget") if isinstance(rep.get("budget"), dict) else {}
+        out["repair"] = {
+            "arm": rep.get("arm"), "allowed": [str(a) for a in rep.get("allowed") or []],
+            "cost_masked": [str(a) for a in rep.get("cost_masked") or []],
+            "unavailable": {str(k): str(v) for k, v in (rep.get("unavailable") or {}).items()},
+            "latency_s": _num(rep.get("latency_s"), 4), "mem_mib": _num(rep.get("mem_growth_mib"), 2),
+            "memory_kind": rep.get("memory_kind"), "over_budget": bool(rep.get("over_budget")),
+            "budget_s": _num(budget.get("latency_s"), 3), "budget_mib": _num(budget.get("device_mem_mib"), 2),
+            "reward": _num(rep.get("reward"), 3), "explored": bool(rep.get("explored")),
+            "policy_ms": None if _num(rep.get("policy_s")) is None else round(rep["policy_s"] * 1e3, 3),
+        }
+    out["changed"] = out["first_answer"] != out["final_answer"]
+    return out
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    pos = q * (len(v) - 1)          # linear between the closest ranks (numpy's default)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def summarize(cards: list[dict]) -> dict:
+    """Counts by failure type, repairs and flips, accuracy where gold exists, latency and memory
+    percentiles, the over-budget share and the arms picked per failure type."""
+    reps = [c for c in cards if c["repair"]]
+    graded = [c for c in cards if c["first_correct"] is not None and c["final_correct"] is not None]
+    arms: dict[str, Counter] = defaultdict(Counter)
+    for c in reps:
+        arms[c["failure"]][c["repair"]["arm"] or "none"] += 1
+    total = [c["total_s"] for c in cards if c["total_s"] is not None]
+    rep_s = [c["repair"]["latency_s"] for c in reps if c["repair"]["latency_s"] is not None]
+    rep_mib = [c["repair"]["mem_mib"] for c in reps if c["repair"]["mem_mib"] is not None]
+    return {
+        "records": len(cards), "errors": sum(c["error"] is not None for c in cards),
+        "failures": dict(Counter(c["failure"] for c in cards).most_common()),
+        "repaired": len(reps), "changed": sum(c["changed"] for c in cards),
+        "wrong_to_right": sum(1 for c in graded if not c["first_correct"] and c["final_correct"]),
+        "right_to_wrong": sum(1 for c in graded if c["first_correct"] and not c["final_correct"]),
+        "graded": len(graded),
+        "first_accuracy": sum(c["first_correct"] for c in graded) / len(graded) if graded else None,
+        "final_accuracy": sum(c["final_correct"] for c in graded) / len(graded) if graded else None,
+        "total_s_p50": _pct(total, 0.5), "total_s_p95": _pct(total, 0.95),
+        "repair_s_p50": _pct(rep_s, 0.5), "repair_s_p95": _pct(rep_s, 0.95),
+        "repair_mib_p50": _pct(rep_mib, 0.5), "repair_mib_p95": _pct(rep_mib, 0.95),
+        "over_budget": sum(c["repair"]["over_budget"] for c in reps),
+        "arms_by_failure": {k: dict(v.most_common()) for k, v in sorted(arms.items())},
+    }
