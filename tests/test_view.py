@@ -155,3 +155,18 @@ def test_cli_report_writes_next_to_the_records(tmp_path, capsys):
     assert main(["report", str(path)]) == 0
     assert (tmp_path / "records.html").is_file()
     assert "1 records, 1 repaired, 1 wrong -> right" in capsys.readouterr().out
+
+
+def test_a_record_with_odd_types_still_renders(tmp_path):
+    """Records are our own output, but a hand-edited or damaged one must not take the page down."""
+    odd = _record(1, repaired=True)
+    odd.update(failure=["wrong_response"], task=7, gate={"x": 1}, first_correct="yes")
+    odd["repair"].update(allowed="dense_k10", unavailable=["rerank"], budget=None, arm=3, over_budget="no")
+    odd["first"].update(passages=None, nli_q="high", timings_s=[1, 2])
+    c = card(odd, {})
+    assert c["failure"] == "['wrong_response']" and c["task"] == "7" and c["first_correct"] is None
+    assert c["repair"]["allowed"] == [] and c["repair"]["unavailable"] == {} and c["repair"]["arm"] == "3"
+    assert c["repair"]["over_budget"] is False and c["first"]["passages"] == [] and c["first"]["stages"] == {}
+    out = tmp_path / "r.html"
+    write_report(_write(tmp_path, [odd, _record(2)]), out)
+    assert summarize([c])["failures"] == {"['wrong_response']": 1} and out.stat().st_size > 1000

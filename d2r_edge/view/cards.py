@@ -67,6 +67,14 @@ def _num(v, digits: int = 4):
         else None
 
 
+def _list(v) -> list:
+    return v if isinstance(v, list) else []
+
+
+def _dict(v) -> dict:
+    return v if isinstance(v, dict) else {}
+
+
 def _probs(p) -> list | None:
     if not isinstance(p, dict):
         return None
@@ -76,18 +84,24 @@ def _probs(p) -> list | None:
 def _attempt(att, titles: dict[str, dict]) -> dict | None:
     if not isinstance(att, dict):
         return None
-    ids = [str(x) for x in att.get("passages") or []]
-    nq, nr = att.get("nli_q") or [], att.get("nli_r") or []
+    ids = [str(x) for x in _list(att.get("passages"))]
+    nq, nr = _list(att.get("nli_q")), _list(att.get("nli_r"))
     passages = []
     for i, doc in enumerate(ids):
         meta = titles.get(doc, {})
         passages.append({"id": doc, "title": meta.get("title", ""), "text": meta.get("text", ""),
                          "q": _probs(nq[i]) if i < len(nq) else None, "r": _probs(nr[i]) if i < len(nr) else None})
-    times = att.get("timings_s") or {}
-    return {"label": att.get("label"), "gated": att.get("gated_label"), "response": str(att.get("response") or ""),
-            "failure": att.get("failure"), "e_q": att.get("e_q"), "e_r": att.get("e_r"), "kg": att.get("kg"),
+    times = _dict(att.get("timings_s"))
+    return {"label": _text(att.get("label")), "gated": _text(att.get("gated_label")),
+            "response": str(att.get("response") or ""), "failure": _text(att.get("failure")),
+            "e_q": _text(att.get("e_q")), "e_r": _text(att.get("e_r")), "kg": _text(att.get("kg")),
             "passages": passages, "stages": {k: _num(times.get(k), 5) for k in STAGES if k in times},
             "mem_mib": _num(times.get("mem_growth_mib"), 2)}
+
+
+def _text(v) -> str | None:
+    """A field shown as text: None stays None, anything else its string (a damaged record cannot crash the page)."""
+    return None if v is None else v if isinstance(v, str) else str(v)
 
 
 def _answer(v) -> str:
@@ -100,25 +114,26 @@ def card(rec: dict, titles: dict[str, dict]) -> dict:
     rep = rec.get("repair") if isinstance(rec.get("repair"), dict) else None
     first_c, final_c = rec.get("first_correct"), rec.get("final_correct")
     out = {
-        "id": str(rec.get("id")), "task": rec.get("task"), "query": str(rec.get("query") or ""),
+        "id": str(rec.get("id")), "task": _text(rec.get("task")), "query": str(rec.get("query") or ""),
         "gold": _answer(rec.get("gold_label") if rec.get("gold_label") is not None else rec.get("gold_answer")),
         "first_answer": _answer(rec.get("first_answer")), "final_answer": _answer(rec.get("final_answer")),
         "first_correct": first_c if isinstance(first_c, bool) else None,
         "final_correct": final_c if isinstance(final_c, bool) else None,
-        "failure": rec.get("failure") or "unknown", "gate": rec.get("gate"), "p_wrong": _num(rec.get("p_wrong"), 3),
+        "failure": _text(rec.get("failure")) or "unknown", "gate": _text(rec.get("gate")),
+        "p_wrong": _num(rec.get("p_wrong"), 3),
         "error": None if rec.get("error") is None else str(rec.get("error"))[:300],
         "repair_error": None if rec.get("repair_error") is None else str(rec.get("repair_error"))[:300],
         "total_s": _num(rec.get("total_s"), 4), "first": _attempt(rec.get("first"), titles),
         "final": _attempt(rec.get("final"), titles) if rep else None, "repair": None,
     }
     if rep:
-        budget = rep.get("budget") if isinstance(rep.get("budget"), dict) else {}
+        budget = _dict(rep.get("budget"))
         out["repair"] = {
-            "arm": rep.get("arm"), "allowed": [str(a) for a in rep.get("allowed") or []],
-            "cost_masked": [str(a) for a in rep.get("cost_masked") or []],
-            "unavailable": {str(k): str(v) for k, v in (rep.get("unavailable") or {}).items()},
+            "arm": _text(rep.get("arm")), "allowed": [str(a) for a in _list(rep.get("allowed"))],
+            "cost_masked": [str(a) for a in _list(rep.get("cost_masked"))],
+            "unavailable": {str(k): str(v) for k, v in _dict(rep.get("unavailable")).items()},
             "latency_s": _num(rep.get("latency_s"), 4), "mem_mib": _num(rep.get("mem_growth_mib"), 2),
-            "memory_kind": rep.get("memory_kind"), "over_budget": bool(rep.get("over_budget")),
+            "memory_kind": _text(rep.get("memory_kind")), "over_budget": rep.get("over_budget") is True,
             "budget_s": _num(budget.get("latency_s"), 3), "budget_mib": _num(budget.get("device_mem_mib"), 2),
             "reward": _num(rep.get("reward"), 3), "explored": bool(rep.get("explored")),
             "policy_ms": None if _num(rep.get("policy_s")) is None else round(rep["policy_s"] * 1e3, 3),
