@@ -97,8 +97,8 @@ def _pool(world: dict, dest: str, action: argparse.Action, tmp: Path) -> st.Sear
         return _mostly(["0.5", "2.0", "3"], ["0", "-1", "nan", "inf", "x"])
     if dest == "models":
         return _mostly([str(world["models"])], [missing, a_dir, str(root / "garbage.jsonl")])
-    if dest == "kb":
-        return _mostly([str(world["kb"])], [missing, a_dir, str(root / "traj.jsonl")])
+    if dest == "kb":   # this example's copy: a drawn `index build|refresh|compact` must not rewrite the shared KB
+        return _mostly([str(tmp / "kb")], [missing, a_dir, str(root / "traj.jsonl")])
     if dest in ("queries", "train", "test", "refresh_pool", "extra_docs"):
         return _mostly([str(DEMO / "claims.jsonl"), str(DEMO / "questions.jsonl")],
                        [str(DEMO / "docs.jsonl"), str(root / "garbage.jsonl"), str(root / "empty.jsonl"), missing,
