@@ -87,3 +87,11 @@ def test_ui_behind_the_key_with_a_session_cookie(runtime, monkeypatch, tmp_path)
     with Live(create_app(runtime, config)) as srv:
         status, _, raw = request(srv.url, "GET", "/ui/cards.json", headers={"Authorization": f"Bearer {KEY}"})
         assert status == 200 and len(json.loads(raw)["cards"]) == 3
+
+
+def test_a_records_file_without_records_starts_the_ui_empty(runtime, tmp_path, caplog):
+    from d2r_edge.serve.ui import Ui
+
+    bad = tmp_path / "records.jsonl"
+    bad.write_text("not json\n")
+    assert Ui(None, 5, bad).snapshot() == [] and "no earlier requests shown" in caplog.text

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import html
+import logging
 import secrets
 import threading
 import time
@@ -26,8 +27,11 @@ from urllib.parse import parse_qs
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
+from d2r_edge.errors import InputError
 from d2r_edge.view.cards import card, read_records, summarize
 from d2r_edge.view.page import render_page
+
+log = logging.getLogger(__name__)
 
 COOKIE = "d2r_ui"
 SESSION_S = 12 * 3600
@@ -52,7 +56,11 @@ class Ui:
         self._lock = threading.Lock()
         self._sessions: dict[str, float] = {}
         if records_path is not None and records_path.is_file():
-            rows, _ = read_records(records_path)
+            try:
+                rows, _ = read_records(records_path)
+            except InputError as exc:       # the page starts empty; the server itself must not fail on it
+                log.warning("serve --ui: no earlier requests shown: %s", exc)
+                rows = []
             for rec in rows[-keep:]:
                 self.cards.append(card(rec, {}))
 
