@@ -114,10 +114,16 @@ def _checked(valid: Validator, row: dict) -> bool:
 def read_records(path: Path, valid: Validator | None = None) -> list[dict]:
     """The complete records of a JSONL log without opening it for writing (lines that are not
     records, e.g. a torn last line, are left out)."""
+    return scan_records(path, valid)[0]
+
+
+def scan_records(path: Path, valid: Validator | None = None) -> tuple[list[dict], list[int]]:
+    """`read_records` and the numbers of the lines it left out (the file is only read)."""
     if not Path(path).is_file():
-        return []
+        return [], []
     with open(path, "rb") as fh:
-        return _scan(fh, valid)[0]
+        records, bad, _, _ = _scan(fh, valid)
+    return records, bad
 
 
 def run_record_ok(rec: dict) -> bool:

@@ -14,7 +14,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from d2r_edge.errors import InputError
+from d2r_edge.eval.metrics import percentiles
 from d2r_edge.jsonl import loads as json_line
+from d2r_edge.runner import scan_records
 
 STAGES = ("embed_query_s", "retrieve_s", "refresh_s", "generate_s", "diagnose_s")
 NLI_KEYS = ("entailment", "neutral", "contradiction")
@@ -22,22 +24,10 @@ NLI_KEYS = ("entailment", "neutral", "contradiction")
 
 def read_records(path: Path) -> tuple[list[dict], list[int]]:
     """Records of a JSONL file (run, train or serve --records) and the numbers of lines that are not one
-    (a damaged or truncated line is skipped, and the page says which)."""
+    (a damaged or truncated line is skipped, and the page says which); the file is only read."""
     if not path.is_file():
         raise InputError(f"no records file at {path}: give the --out of `d2r-edge run` or serve's --records")
-    rows, bad = [], []
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json_line(line)
-            except ValueError:
-                row = None
-            if isinstance(row, dict) and isinstance(row.get("id"), (str, int)):
-                rows.append(row)
-            else:
-                bad.append(n)
+    rows, bad = scan_records(path, valid=lambda row: isinstance(row.get("id"), (str, int)))
     if bad and not rows:
         raise InputError(f"{path}: no line is a d2r-edge record (first bad line {bad[0]})")
     return rows, bad
@@ -142,16 +132,6 @@ def card(rec: dict, titles: dict[str, dict]) -> dict:
     return out
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    pos = q * (len(v) - 1)          # linear between the closest ranks (numpy's default)
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-
 def summarize(cards: list[dict]) -> dict:
     """Counts by failure type, repairs and flips, accuracy where gold exists, latency and memory
     percentiles, the over-budget share and the arms picked per failure type."""
@@ -160,9 +140,9 @@ def summarize(cards: list[dict]) -> dict:
     arms: dict[str, Counter] = defaultdict(Counter)
     for c in reps:
         arms[c["failure"]][c["repair"]["arm"] or "none"] += 1
-    total = [c["total_s"] for c in cards if c["total_s"] is not None]
-    rep_s = [c["repair"]["latency_s"] for c in reps if c["repair"]["latency_s"] is not None]
-    rep_mib = [c["repair"]["mem_mib"] for c in reps if c["repair"]["mem_mib"] is not None]
+    total_p = percentiles([c["total_s"] for c in cards])
+    rep_s = percentiles([c["repair"]["latency_s"] for c in reps])
+    rep_mib = percentiles([c["repair"]["mem_mib"] for c in reps])
     return {
         "records": len(cards), "errors": sum(c["error"] is not None for c in cards),
         "failures": dict(Counter(c["failure"] for c in cards).most_common()),
@@ -172,9 +152,9 @@ def summarize(cards: list[dict]) -> dict:
         "graded": len(graded),
         "first_accuracy": sum(c["first_correct"] for c in graded) / len(graded) if graded else None,
         "final_accuracy": sum(c["final_correct"] for c in graded) / len(graded) if graded else None,
-        "total_s_p50": _pct(total, 0.5), "total_s_p95": _pct(total, 0.95),
-        "repair_s_p50": _pct(rep_s, 0.5), "repair_s_p95": _pct(rep_s, 0.95),
-        "repair_mib_p50": _pct(rep_mib, 0.5), "repair_mib_p95": _pct(rep_mib, 0.95),
+        "total_s_p50": total_p[0], "total_s_p95": total_p[1],
+        "repair_s_p50": rep_s[0], "repair_s_p95": rep_s[1],
+        "repair_mib_p50": rep_mib[0], "repair_mib_p95": rep_mib[1],
         "over_budget": sum(c["repair"]["over_budget"] for c in reps),
         "arms_by_failure": {k: dict(v.most_common()) for k, v in sorted(arms.items())},
     }
