@@ -31,6 +31,7 @@ DATA = ROOT.parent / "shared" / "data"
 # real-size random exports, once per content key: .ci/run points this at ~/.cache/d2r-edge (bash .ci/models bench)
 CACHE = Path(os.environ.get("D2R_BENCH_CACHE") or ROOT / "models" / ".bench-cache")
 CPU = SessionConfig(device=Device.CPU)
+PARITY_INPUTS = 8
 
 
 def diagnosis_pairs() -> list[tuple[str, str]]:
@@ -54,7 +55,9 @@ def _export(profile: str, random_init: str | None = None) -> Path:
         return out / profile
     return run_export(ExportRequest(profile, models_dir=out, profiles_file=ROOT / "models" / "profiles.toml",
                                     variants=(Variant.FP32, Variant.INT8), random_init=random_init,
-                                    data_dir=DATA if DATA.is_dir() else None)).parent
+                                    data_dir=DATA if DATA.is_dir() else None,
+                                    # random weights, measured for cost: parity on a few pairs proves the export
+                                    parity_inputs=PARITY_INPUTS if random_init else 64)).parent
 
 
 def peak_rss_mib(kind: str, models_dir: Path, how: str) -> float:
@@ -245,6 +248,11 @@ NLI_BASE_FLOOR = 1.8
 
 @pytest.mark.slow
 def test_onnx_targets_real_size():
+    for key, role in (("deberta-v3-base/base", "nli"), ("bart-large/large", "triples")):
+        manifest = CACHE / key / "manifest.json"
+        if manifest.is_file():   # each export was checked against PyTorch, on a few pairs (PARITY_INPUTS)
+            parity = json.loads(manifest.read_text())["roles"][role]["parity"]
+            assert parity.get("n_inputs", PARITY_INPUTS) == PARITY_INPUTS and "fp32" in parity, parity
     r = ratio_or_skip("nli-base-torch-fp32-one-by-one", "nli-base-ort-int8-batched")
     assert r >= NLI_BASE_FLOOR, (f"deberta-v3-base batched int8 diagnosis only {r:.2f}x the reference loop "
                                  f"({machine()})")

@@ -104,6 +104,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         seed=args.seed,
         random_init=args.random_init,
         heldout_limit=args.heldout_limit,
+        parity_inputs=args.parity_inputs,
         finetune=_finetune_settings(args, build.profile_finetune_preset(
             args.profile, Path(args.profiles) if args.profiles else Path(args.models_dir) / "profiles.toml")
             if not args.random_init else "full"),
@@ -453,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-limit", type=int, default=None,
                    help="fine-tuned roles: validate on at most N pairs / questions per held-out set and "
                         "calibrate int8 on at most N pairs (faster, noisier figures; default: all)")
+    p.add_argument("--parity-inputs", type=int, default=64,
+                   help="pairs checked against PyTorch in every variant after the export (even; fewer is "
+                        "faster, recorded as parity.n_inputs in the manifest)")
     p.add_argument("--epochs", type=int, default=None,
                    help="fine-tuned roles: passes over the data (default: NLI 3, reranker 2)")
     p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",

@@ -13,7 +13,8 @@ from d2r_edge.onnx.manifest import Role, Variant, load_manifest
 
 pytestmark = pytest.mark.export
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
-HELDOUT_LIMIT = 240
+HELDOUT_LIMIT = 64
+PARITY_INPUTS = 16
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +27,12 @@ def small_offline(tmp_path_factory, shared_data):
     logging.getLogger("optimum").setLevel(logging.ERROR)
     out = tmp_path_factory.mktemp("offline")
     settings = FinetuneSettings(nli_epochs=1, rerank_epochs=1, max_train_pairs=256, nli_fever_train_pairs=128)
-    # held-out sets and int8 calibration cut to 240 (the build's figures are not what is tested here;
-    # all of them took 5 of this fixture's 7 minutes)
+    # held-out sets, int8 calibration and parity cut (the build's figures are not what is tested here:
+    # at full size they took 5 of this fixture's 7 minutes, at 240 pairs 2 of 3.7)
     path = run_export(ExportRequest("offline", models_dir=out, profiles_file=ROOT / "models" / "profiles.toml",
                                     data_dir=shared_data, variants=(Variant.FP32, Variant.INT8),
-                                    finetune=settings, heldout_limit=HELDOUT_LIMIT))
+                                    finetune=settings, heldout_limit=HELDOUT_LIMIT,
+                                    parity_inputs=PARITY_INPUTS))
     return path.parent, out, settings
 
 
@@ -143,7 +145,8 @@ def test_manifest_is_traceable(small_offline):
     assert all(0 <= p["model_int8_accuracy"] <= 1 and p["pairs"] > 0 for p in v["mutation_probe"].values())
     tiers = nli["variants"]["int8"]["quantization"]["tier_agreement"]   # trained: the tier search ran
     # up to HELDOUT_LIMIT calibration pairs: half training-split FEVER rows, half HotpotQA rows outside the split
-    assert tiers["tried"][0]["keep_fp32"] == "none" and 100 < tiers["pairs"] <= HELDOUT_LIMIT
+    assert tiers["tried"][0]["keep_fp32"] == "none" and HELDOUT_LIMIT // 2 < tiers["pairs"] <= HELDOUT_LIMIT
+    assert nli["parity"]["n_inputs"] == PARITY_INPUTS and nli["parity"]["fp32"]["max_abs_logit_diff_vs_torch"] < 1e-3
     rescore = nli["variants"]["int8"]["quantization"]["fp32_rescore"]
     assert rescore["tried"][0]["margin"] == 0.0 and rescore["pairs"] == tiers["pairs"]
     assert nli["variants"]["int8"]["quantization"]["fp32_rescore_margin"] == rescore["tried"][-1]["margin"]
@@ -262,7 +265,22 @@ def test_heldout_limit_spreads_over_each_held_out_set_and_reaches_the_build(monk
     monkeypatch.setattr(build, "run_export", lambda req: seen.append(req) or tmp_path / "manifest.json")
     assert main(["export", "--profile", "tiny", "--models-dir", str(tmp_path), "--heldout-limit", "50",
                  "--profiles", str(ROOT / "models" / "profiles.toml")]) == 0
-    assert seen[0].heldout_limit == 50
+    assert seen[0].heldout_limit == 50 and seen[0].parity_inputs == 64
+    assert main(["export", "--profile", "tiny", "--models-dir", str(tmp_path), "--parity-inputs", "8",
+                 "--profiles", str(ROOT / "models" / "profiles.toml")]) == 0
+    assert seen[1].parity_inputs == 8
+    monkeypatch.undo()
+    for bad in (0, 3):
+        with pytest.raises(ConfigError, match="--parity-inputs must be an even number"):
+            build.run_export(build.ExportRequest("tiny", models_dir=tmp_path, parity_inputs=bad))
+
+
+def test_parity_set_size_follows_the_request(shared_data):
+    from d2r_edge_export.parity_data import load_parity_set
+
+    small = load_parity_set(shared_data, n_pairs=8)
+    assert len(small.pairs) == 8 and len(small.sentences) == 16
+    assert small.pairs == load_parity_set(shared_data).pairs[:4] + load_parity_set(shared_data).pairs[32:36]
 
 
 def test_left_out_qa_files_reach_no_training_pair(shared_data):
