@@ -281,6 +281,8 @@ class CostModel:
 
     def mask(self, remaining: Budget | tuple[float, float], allowed: np.ndarray | None = None) -> MaskResult:
         """Arms whose predicted cost fits the remaining budget (within `allowed`)."""
+        if isinstance(remaining, Budget):
+            remaining = remaining.absolute()
         lat, mem = ((remaining.latency_s, remaining.device_mem_mib) if isinstance(remaining, Budget)
                     else remaining)
         base = np.ones(self.n_arms, dtype=bool) if allowed is None else np.asarray(allowed, dtype=bool)

@@ -181,7 +181,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_eval_answers(args: argparse.Namespace) -> int:
     from d2r_edge.app import RunSettings
-    from d2r_edge.config import BUDGET_PRESETS, Budget
     from d2r_edge.detector import Gate
     from d2r_edge.diagnose import ResponseNLI
     from d2r_edge.eval.answers import EvalSettings, evaluate, parse_methods
@@ -190,8 +189,7 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
     from d2r_edge.tasks import Task
 
     methods = parse_methods(args.methods)
-    budget = BUDGET_PRESETS[args.budget_preset] if args.budget_preset else \
-        Budget(latency_s=args.budget_latency_s, device_mem_mib=args.budget_mem_mib)
+    budget = _budget(args)
     out = Path(args.out)
     run = RunSettings(kb=out / "kb", models=Path(args.models), task=Task(args.task), variant=Variant(args.variant),
                       allow_random_weights=args.allow_random_weights, generator=args.generator,
@@ -217,15 +215,29 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _budget(args: argparse.Namespace):
+    """--budget-preset or --budget-latency-s / --budget-mem-mib, with --budget-latency-x beside either
+    (the seconds then cap the relative bound; --budget-latency-x alone leaves it uncapped)."""
+    from d2r_edge.config import BUDGET_PRESETS, Budget
+
+    x = args.budget_latency_x
+    if args.budget_preset:
+        preset = BUDGET_PRESETS[args.budget_preset]
+        return preset if x is None else Budget(preset.latency_s, preset.device_mem_mib, x)
+    seconds = args.budget_latency_s
+    if seconds is None and x is None:
+        seconds = Budget().latency_s
+    return Budget(latency_s=seconds, device_mem_mib=args.budget_mem_mib, latency_x=x)
+
+
 def _settings(args: argparse.Namespace):
     from d2r_edge.app import RunSettings
-    from d2r_edge.config import BUDGET_PRESETS, Budget, ExplorationConfig, RewardConfig
+    from d2r_edge.config import ExplorationConfig, RewardConfig
     from d2r_edge.detector import Gate
     from d2r_edge.onnx.manifest import Variant
     from d2r_edge.tasks import Task
 
-    budget = BUDGET_PRESETS[args.budget_preset] if args.budget_preset else \
-        Budget(latency_s=args.budget_latency_s, device_mem_mib=args.budget_mem_mib)
+    budget = _budget(args)
     return RunSettings(
         kb=Path(args.kb), models=Path(args.models), task=Task(args.task), variant=Variant(args.variant),
         allow_random_weights=args.allow_random_weights, generator=args.generator,
@@ -412,7 +424,13 @@ def _generator_args(p: argparse.ArgumentParser, key_flag: str = "--api-key-env")
                    help="openai generator: N more answers per prompt at --sample-temperature; their agreement "
                         "with the answer becomes the detector's self-consistency signal (d2r_edge/consistency.py)")
     p.add_argument("--sample-temperature", type=float, default=0.7)
-    p.add_argument("--budget-latency-s", type=float, default=3.0, help="per repair action (paper: 3 s)")
+    p.add_argument("--budget-latency-s", type=float, default=None,
+                   help="seconds per repair action (paper: 3 s; the default, unless --budget-latency-x is "
+                        "given alone)")
+    p.add_argument("--budget-latency-x", type=float, default=None, metavar="X",
+                   help="a repair action may take X times the query's own first attempt (retrieve, generate, "
+                        "diagnose): a budget that fits a slow local generator; with --budget-latency-s too, "
+                        "the smaller bound holds")
     p.add_argument("--budget-mem-mib", type=float, default=6.0, help="per repair action (paper: 6 MB)")
     p.add_argument("--budget-preset", choices=["paper", "stringent", "relaxed"], default=None)
     p.add_argument("--qa-hypothesis", default="statement", choices=["bare", "question_answer", "statement"],

@@ -28,20 +28,69 @@ def _positive(name: str, value: object, *, allow_zero: bool = False) -> None:
         raise ConfigError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
+# a first attempt timed at less than this still gives a relative budget of latency_x times it
+MIN_FIRST_ATTEMPT_S = 1e-3
+
+
 @dataclass(frozen=True)
 class Budget:
-    """Per repair action budgets (paper: 3 s and 6 MB; stringent 0.7x, relaxed 1.5x)."""
+    """Per repair action budgets (paper: 3 s and 6 MB; stringent 0.7x, relaxed 1.5x).
 
-    latency_s: float = 3.0
+    `latency_x`: a repair action may also take at most this many times the query's own first
+    attempt (retrieve + generate + diagnose), so a slow local generator is not held to a budget
+    set for an API that answers in 1.5 s. With both, the smaller bound holds; `latency_s=None`
+    (only with `latency_x`) leaves the relative bound alone. `for_attempt` turns it into the
+    absolute budget of one query, which is what masks, rewards and records use.
+    """
+
+    latency_s: float | None = 3.0
     device_mem_mib: float = 6.0
+    latency_x: float | None = None
 
     def __post_init__(self) -> None:
-        _positive("latency_s", self.latency_s)
+        if self.latency_s is None and self.latency_x is None:
+            raise ConfigError("a budget needs latency_s (seconds per repair action) or latency_x "
+                              "(times the query's first attempt), or both")
+        if self.latency_s is not None:
+            _positive("latency_s", self.latency_s)
+        if self.latency_x is not None:
+            _positive("latency_x", self.latency_x)
         _positive("device_mem_mib", self.device_mem_mib)
+
+    @property
+    def relative(self) -> bool:
+        return self.latency_x is not None
 
     def scaled(self, factor: float) -> "Budget":
         _positive("factor", factor)
-        return Budget(self.latency_s * factor, self.device_mem_mib * factor)
+        return Budget(None if self.latency_s is None else self.latency_s * factor, self.device_mem_mib * factor,
+                      None if self.latency_x is None else self.latency_x * factor)
+
+    def for_attempt(self, first_attempt_s: float) -> "Budget":
+        """The absolute budget of one query whose first attempt took `first_attempt_s`."""
+        if self.latency_x is None:
+            return self
+        first = first_attempt_s if math.isfinite(first_attempt_s) else 0.0
+        rel = self.latency_x * max(first, MIN_FIRST_ATTEMPT_S)
+        return Budget(rel if self.latency_s is None else min(self.latency_s, rel), self.device_mem_mib)
+
+    def absolute(self) -> "Budget":
+        """This budget where one query's bound is needed; a relative one must be resolved first."""
+        if self.latency_x is not None:
+            raise ConfigError("a relative budget (latency_x) has no bound until the query's first attempt is "
+                              "known: use Budget.for_attempt(first_attempt_s)")
+        return self
+
+    def describe(self, first_attempt_s: float | None = None) -> dict:
+        """What a record or summary says of it (with the query's own bound when `first_attempt_s`)."""
+        out: dict = {"latency_s": self.latency_s, "device_mem_mib": self.device_mem_mib}
+        if self.latency_x is not None:
+            out["latency_x"] = self.latency_x
+            if first_attempt_s is not None:
+                out["first_attempt_s"] = first_attempt_s
+                out["latency_s"] = self.for_attempt(first_attempt_s).latency_s
+                out["latency_s_cap"] = self.latency_s
+        return out
 
 
 BUDGET_PRESETS = {"paper": Budget(), "stringent": Budget().scaled(0.7), "relaxed": Budget().scaled(1.5)}

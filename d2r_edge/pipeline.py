@@ -58,6 +58,11 @@ class Attempt:
 STAGES = ("embed_query_s", "refresh_s", "retrieve_s", "generate_s", "diagnose_s")
 
 
+def attempt_seconds(a: "Attempt") -> float:
+    """An attempt's recorded stage times: what a relative budget (Budget.latency_x) multiplies."""
+    return sum(a.timings_s.get(k, 0.0) for k in STAGES)
+
+
 class AttemptMemo(Protocol):
     """Outcomes of (query, effective config) computed once and reused (`d2r-edge eval answers`)."""
 
@@ -214,7 +219,7 @@ class Pipeline:
         elif repair:
             # the first pass's recorded stage times, not the wall clock: a memoized first
             # attempt then builds the same context vector (remaining budget) as a live one
-            spent_s = sum(first.timings_s.get(k, 0.0) for k in STAGES)
+            spent_s = attempt_seconds(first)
             try:
                 rec["repair"], final = self._repair(query, q_vec, first, allowed, learn, spent_s, p_wrong)
             except RECOVERABLE as exc:
@@ -247,11 +252,12 @@ class Pipeline:
                 spent_s: float, p_wrong: float | None = None) -> tuple[dict, Attempt]:
         t0 = time.perf_counter()
         d = first.diagnosis
-        remaining_s = max(0.0, self.budget.latency_s - spent_s)
-        remaining_mib = max(0.0, self.budget.device_mem_mib - first.timings_s.get("mem_growth_mib", 0.0))
-        x = self.context.build(q_vec, d.failure, d.kg, d.e_q, d.e_r, remaining_s, remaining_mib, self.budget,
+        budget = self.budget.for_attempt(spent_s)     # this query's: latency_x times its first attempt
+        remaining_s = max(0.0, budget.latency_s - spent_s)
+        remaining_mib = max(0.0, budget.device_mem_mib - first.timings_s.get("mem_growth_mib", 0.0))
+        x = self.context.build(q_vec, d.failure, d.kg, d.e_q, d.e_r, remaining_s, remaining_mib, budget,
                                p_wrong=p_wrong)
-        masked = self.costs.mask(self.budget, allowed)
+        masked = self.costs.mask(budget, allowed)
         with self.state_lock:
             if self.explorer is not None and learn:
                 decision = self.explorer.decide(self.policy, x, masked.allowed)
@@ -267,7 +273,7 @@ class Pipeline:
                    kg_consistent=d2.kg is KGStatus.CONSISTENT,
                    nli_entailed=d2.e_r is Entailment.ENTAILMENT,
                    latency_s=cost.latency_s, device_mem_mib=cost.mem_growth_mib,
-                   budget=self.budget, cfg=self.reward_cfg)
+                   budget=budget, cfg=self.reward_cfg)
         self.costs.observe(arm, cost.latency_s, cost.mem_growth_mib)
         t1 = time.perf_counter()
         updates_after = None
@@ -284,8 +290,8 @@ class Pipeline:
             "mask_fallback": masked.fallback, "arm": ARM_NAMES[arm], "arm_index": arm,
             "propensity": propensity, "explored": explored, "latency_s": cost.latency_s,
             "mem_growth_mib": cost.mem_growth_mib, "memory_kind": cost.memory_kind.value,
-            "over_budget": cost.latency_s > self.budget.latency_s or cost.mem_growth_mib > self.budget.device_mem_mib,
-            "budget": {"latency_s": self.budget.latency_s, "device_mem_mib": self.budget.device_mem_mib},
+            "over_budget": cost.latency_s > budget.latency_s or cost.mem_growth_mib > budget.device_mem_mib,
+            "budget": self.budget.describe(spent_s),
             "reward": r, "x": x.tolist() if learn else None, "policy_s": policy_s,
             "is_retrieval_arm": bool(IS_RETRIEVAL[arm]), "unavailable": dict(self.arms.unavailable),
             "policy_updates": updates_after,

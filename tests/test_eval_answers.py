@@ -117,6 +117,33 @@ def test_first_attempts_are_shared_and_nothing_is_computed_twice(evaluated):
     assert not any("paraphrase" in r["config"] or "refresh1" in r["config"] for r in rows)
 
 
+def test_a_relative_budget_bounds_each_query_by_its_own_first_attempt(tmp_path, tiny_models, fever_file):
+    """--budget-latency-x 2: each record's bound is twice its first attempt's recorded stage times."""
+    from d2r_edge.onnx.encoders import NLI
+    from d2r_edge.pipeline import STAGES
+
+    out = tmp_path / "out"
+    real = NLI.score
+    exec(_HASH_NLI, {})
+    try:
+        assert main(_args(fever_file, tiny_models, out, "--budget-latency-x", "2", "--methods",
+                          "naive,oracle,linucb", "--train-limit", "6", "--test-limit", "10")) == 0
+    finally:
+        NLI.score = real
+    s = json.loads((out / "summary.json").read_text())
+    assert s["budget"] == {"latency_s": None, "device_mem_mib": 6.0, "latency_x": 2.0}
+    claims = {str(json.loads(line)["id"]): json.loads(line)["question"] for line in fever_file.open()}
+    firsts = {r["query"]: sum(r["timings_s"].get(k, 0.0) for k in STAGES)
+              for r in map(json.loads, (out / "attempts.jsonl").read_text().splitlines())
+              if r["config"] == "dense|k5|rerank0:3|simple|refresh0|titles1" and r["cost"] is None}
+    for m in ("naive", "oracle", "linucb"):
+        for r in _records(out, m):
+            assert r["budget_latency_s"] == pytest.approx(2 * firsts[claims[r["id"]]]), (m, r["id"])
+            assert r["over_budget"] is None or r["over_budget"] == (r["latency_s"] > r["budget_latency_s"]
+                                                                    or r["mem_growth_mib"] > 6.0)
+    assert len({r["budget_latency_s"] for r in _records(out, "naive")}) > 1      # one bound per query
+
+
 def test_rerun_redoes_nothing(evaluated, tiny_models, fever_file):
     out, s = evaluated
     before = (out / "attempts.jsonl").read_bytes(), (out / "generations.jsonl").read_bytes()

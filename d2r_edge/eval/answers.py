@@ -174,7 +174,9 @@ def fingerprint(s: EvalSettings, kb_input_sha256: str) -> dict:
             "variant": str(getattr(run.variant, "value", run.variant)), "generator": run.generator,
             "llm": run.model if run.generator == "openai" else None,
             "qa_hypothesis": _form(run),
-            "budget": [run.budget.latency_s, run.budget.device_mem_mib], "alpha": run.alpha, "seed": run.seed,
+            # a relative budget (latency_x) joins the list; an absolute one keeps the old fingerprint
+            "budget": [run.budget.latency_s, run.budget.device_mem_mib]
+                      + ([run.budget.latency_x] if run.budget.relative else []), "alpha": run.alpha, "seed": run.seed,
             "query_dim": run.query_dim, "epochs": s.epochs, "split": s.split.value,
             "train": [str(p) for p in s.train], "train_limit": s.train_limit,
             "test": [str(p) for p in s.test], "test_offset": s.test_offset,
@@ -296,8 +298,7 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
         gen = ("extractive (NLI labels, extracted sentences)" if run.generator == "extractive"
                else f"{run.model} at {run.base_url}")
         extra = {"generator": gen, "models": str(s.models), "split": s.split.value,
-                 "budget": {"latency_s": ctx.pipeline.budget.latency_s,
-                            "device_mem_mib": ctx.pipeline.budget.device_mem_mib},
+                 "budget": ctx.pipeline.budget.describe(),
                  "train_files": [str(p) for p in s.train], "test_files": [str(p) for p in s.test],
                  "kb": ctx.kb_stats, "stored_attempts": len(ctx.store),
                  "generator_calls": ctx.generator.calls, "generator_cache_hits": ctx.generator.hits,

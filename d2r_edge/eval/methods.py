@@ -15,6 +15,7 @@ import numpy as np
 from d2r_edge.config import Budget
 from d2r_edge.detector import record_signals
 from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, Context, EvalQuery, Method
+from d2r_edge.pipeline import attempt_seconds
 from d2r_edge.repair import ARM_NAMES, ARMS
 from d2r_edge.runner import RecordLog
 from d2r_edge.signals import Entailment, FailureType
@@ -26,6 +27,7 @@ def _record(ctx: Context, q: EvalQuery, method: Method, first, final, arm: int |
     c1, f1_first = ctx.score(q, fa)
     c2, f1_final = ctx.score(q, la)
     _, p_wrong, signals = ctx.pipeline.assess(first)
+    budget = budget.for_attempt(attempt_seconds(first))    # a relative budget: this query's bound
     return {
         "id": q.id, "method": method.value, "first_failure": first.diagnosis.failure.value,
         "first_answer": fa, "final_answer": la, "first_correct": c1, "final_correct": c2,
@@ -38,6 +40,7 @@ def _record(ctx: Context, q: EvalQuery, method: Method, first, final, arm: int |
         "memory_kind": None if cost is None else cost.memory_kind.value,
         "over_budget": None if cost is None else bool(cost.latency_s > budget.latency_s
                                                       or cost.mem_growth_mib > budget.device_mem_mib),
+        "budget_latency_s": budget.latency_s,       # this query's bound (relative budgets differ by query)
         "gold": q.label if ctx.settings.task.fact_verification else list(q.answers),
         "first_passages": [p.doc_id for p in first.passages],
         "gold_docs": sorted(q.gold_doc_ids), "p_wrong": p_wrong,
@@ -91,7 +94,8 @@ def arm_rewards(ctx: Context, queries: list[EvalQuery]) -> np.ndarray:
             sums[arm] += reward(no_failure=d.failure is FailureType.NO_FAILURE,
                                 kg_consistent=d.kg is KGStatus.CONSISTENT,
                                 nli_entailed=d.e_r is Entailment.ENTAILMENT, latency_s=cost.latency_s,
-                                device_mem_mib=cost.mem_growth_mib, budget=p.budget, cfg=p.reward_cfg)
+                                device_mem_mib=cost.mem_growth_mib, budget=p.budget.for_attempt(attempt_seconds(first)),
+                                cfg=p.reward_cfg)
             counts[arm] += 1
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)

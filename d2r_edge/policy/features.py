@@ -69,6 +69,7 @@ class ContextBuilder:
         k += len(_ENT)
         x[k + _ENT.index(Entailment(e_r))] = 1.0
         k += len(_ENT)
+        budget = budget.absolute()
         x[k] = float(np.clip(remaining_latency_s / budget.latency_s, 0.0, 1.0))
         x[k + 1] = float(np.clip(remaining_mem_mib / budget.device_mem_mib, 0.0, 1.0))
         k += 2

@@ -18,6 +18,7 @@ def reward(*, no_failure: bool, kg_consistent: bool, nli_entailed: bool, latency
     for name, value in (("latency_s", latency_s), ("device_mem_mib", device_mem_mib)):
         if not isinstance(value, (int, float)) or value != value or value < 0:
             raise PolicyError(f"{name} must be a number >= 0, got {value!r}")
+    budget = budget.absolute()
     quality = 0.25 * (float(no_failure) + float(kg_consistent) + 2.0 * float(nli_entailed))
     factor = 1.0
     for used, limit in ((latency_s, budget.latency_s), (device_mem_mib, budget.device_mem_mib)):

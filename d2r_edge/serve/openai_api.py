@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from d2r_edge.errors import InputError
+from d2r_edge.pipeline import STAGES
 from d2r_edge.runtime import PassageRef, Result, Verification
 
 MODEL_NAME = "d2r-edge"
@@ -111,6 +112,18 @@ def _passages(refs: tuple[PassageRef, ...]) -> list[dict]:
     return [{"id": p.doc_id, "title": p.title, "score": p.score} for p in refs]
 
 
+def _repair_bounds(res: Result, budget) -> dict:
+    """The repair action's bounds for this request: with a relative budget (latency_x) the
+    seconds are latency_x times this request's first attempt, capped by the absolute budget."""
+    out = {"repair_latency_s": budget.latency_s, "repair_device_mem_mib": budget.device_mem_mib}
+    if budget.relative:
+        timings = (res.record.get("first") or {}).get("timings_s") or {}
+        first_s = sum(timings.get(k, 0.0) for k in STAGES)
+        out.update(repair_latency_s=budget.for_attempt(first_s).latency_s, repair_latency_x=budget.latency_x,
+                   repair_latency_s_cap=budget.latency_s)
+    return out
+
+
 def d2r_object(res: Result, budget, deadline_s: float | None) -> dict:
     """The `d2r` object beside the OpenAI fields: what was diagnosed, repaired, read, and what it cost."""
     d = res.diagnosis
@@ -123,8 +136,7 @@ def d2r_object(res: Result, budget, deadline_s: float | None) -> dict:
                        "label": d.label.value if d.label else None,
                        "gated_label": d.gated_label.value if d.gated_label else None},
         "p_wrong": res.p_wrong, "latency_ms": res.latency_ms,
-        "budget": {"repair_latency_s": budget.latency_s, "repair_device_mem_mib": budget.device_mem_mib,
-                   "over_budget": res.over_budget,
+        "budget": {**_repair_bounds(res, budget), "over_budget": res.over_budget,
                    "deadline_ms": None if deadline_s is None else round(deadline_s * 1000.0, 3),
                    "repair_skipped": res.skipped, "repair_error": res.repair_error},
     }
