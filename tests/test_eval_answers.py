@@ -133,7 +133,7 @@ def test_a_relative_budget_bounds_each_query_by_its_own_first_attempt(tmp_path, 
     s = json.loads((out / "summary.json").read_text())
     assert s["budget"] == {"latency_s": None, "device_mem_mib": 6.0, "latency_x": 2.0}
     claims = {str(json.loads(line)["id"]): json.loads(line)["question"] for line in fever_file.open()}
-    firsts = {r["query"]: sum(r["timings_s"].get(k, 0.0) for k in STAGES)
+    firsts = {r["query"]: sum(r["attempt"]["timings_s"].get(k, 0.0) for k in STAGES)
               for r in map(json.loads, (out / "attempts.jsonl").read_text().splitlines())
               if r["config"] == "dense|k5|rerank0:3|simple|refresh0|titles1" and r["cost"] is None}
     for m in ("naive", "oracle", "linucb"):
@@ -142,6 +142,51 @@ def test_a_relative_budget_bounds_each_query_by_its_own_first_attempt(tmp_path, 
             assert r["over_budget"] is None or r["over_budget"] == (r["latency_s"] > r["budget_latency_s"]
                                                                     or r["mem_growth_mib"] > 6.0)
     assert len({r["budget_latency_s"] for r in _records(out, "naive")}) > 1      # one bound per query
+
+
+def test_a_generator_failure_leaves_its_query_out_and_a_rerun_retries_it(tmp_path, tiny_models, fever_file,
+                                                                          monkeypatch):
+    """One test and one training query whose generator fails (after the client's retries): the evaluation
+    goes on without them in every method and says so; the same --out run again computes them."""
+    from d2r_edge.generate.extractive import Extractive
+    from d2r_edge.generate.openai_compat import GeneratorError
+    from d2r_edge.onnx.encoders import NLI
+
+    rows = [json.loads(line) for line in fever_file.open()]
+    train_claim, test_claim = rows[1]["question"], rows[8]["question"]      # --train-limit 6, test from 6 on
+    down = {train_claim, test_claim}
+    real_generate = Extractive.generate
+
+    def flaky(self, task, style, query, passages):
+        if query in down:
+            raise GeneratorError("generator http://127.0.0.1:1/v1 failed after 4 attempt(s): TimeoutError",
+                                 timed_out=True, attempts=4)
+        return real_generate(self, task, style, query, passages)
+
+    monkeypatch.setattr(Extractive, "generate", flaky)
+    out = tmp_path / "out"
+    args = _args(fever_file, tiny_models, out, "--methods", "naive,best_fixed,oracle,linucb", "--train-limit", "6",
+                 "--test-limit", "8", "--split", "all")
+    real = NLI.score
+    exec(_HASH_NLI, {})
+    try:
+        assert main(args) == 0
+        s = json.loads((out / "summary.json").read_text())
+        failures = s["generator_failures"]
+        assert (failures["train"], failures["test"], s["n_test"], s["n_train"]) == (1, 1, 7, 5)
+        assert {r["id"] for r in failures["queries"]} == {str(rows[1]["id"]), str(rows[8]["id"])}
+        assert all("TimeoutError" in r["error"] for r in failures["queries"])
+        for m in ("naive", "best_fixed", "oracle", "linucb"):
+            assert str(rows[8]["id"]) not in {r["id"] for r in _records(out, m)}
+            assert len(s["methods"][m]) and len(_records(out, m)) == 7
+        assert "Left out after a generator failure" in (out / "report.md").read_text()
+        down.clear()                                   # the server is back: the rerun computes them
+        assert main(args) == 0
+    finally:
+        NLI.score = real
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["generator_failures"]["test"], s["n_test"], s["n_train"]) == (0, 8, 6)
+    assert str(rows[8]["id"]) in {r["id"] for r in _records(out, "oracle")}
 
 
 def test_rerun_redoes_nothing(evaluated, tiny_models, fever_file):
@@ -158,6 +203,33 @@ def test_rerun_redoes_nothing(evaluated, tiny_models, fever_file):
     assert ((out / "attempts.jsonl").read_bytes(), (out / "generations.jsonl").read_bytes()) == before
     again = json.loads((out / "summary.json").read_text())
     assert again["methods"]["linucb"]["accuracy"] == s["methods"]["linucb"]["accuracy"]
+
+
+def test_a_moved_folder_with_its_data_elsewhere_resumes_without_recomputing(evaluated, tiny_models, fever_file,
+                                                                            tmp_path):
+    """Another machine: the --out folder copied, the query file under another path. Nothing is computed
+    again; a query file with other contents under the old name is still refused."""
+    import shutil
+
+    from d2r_edge.onnx.encoders import NLI
+
+    out, s = evaluated
+    moved, data = tmp_path / "elsewhere" / "out", tmp_path / "data"
+    shutil.copytree(out, moved)
+    data.mkdir()
+    shutil.copy(fever_file, data / fever_file.name)
+    real = NLI.score
+    NLI.score = lambda self, pairs: (_ for _ in ()).throw(AssertionError("the NLI ran again"))
+    try:
+        assert main(_args(data / fever_file.name, tiny_models, moved)) == 0
+    finally:
+        NLI.score = real
+    again = json.loads((moved / "summary.json").read_text())
+    assert again["methods"]["linucb"]["accuracy"] == s["methods"]["linucb"]["accuracy"]
+    assert json.loads((moved / "settings.json").read_text())["test"] == [str(data / fever_file.name)]
+    lines = (data / fever_file.name).read_text().splitlines()
+    (data / fever_file.name).write_text("\n".join(lines[:-1]) + "\n")     # same name, other contents
+    assert main(_args(data / fever_file.name, tiny_models, moved)) != 0
 
 
 _RUN = _HASH_NLI + '''

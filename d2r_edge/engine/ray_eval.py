@@ -40,10 +40,13 @@ class OutcomeWorker(PoolWorker):
     def work(self, items: list[tuple[str, bool]]) -> dict:
         from d2r_edge.eval.answers import compute_outcomes
 
+        failed = {}
         for text, every_arm in items:
-            compute_outcomes(self.pipeline, text, every_arm)
+            error = compute_outcomes(self.pipeline, text, every_arm)
+            if error is not None:         # the driver leaves the query out (eval.context.Context.failed)
+                failed[text] = error
         rows = {"attempts": self.store.log.take_new(), "generations": self.gen.log.take_new(),
-                "generator_calls": self.gen.calls}
+                "generator_calls": self.gen.calls, "failed": failed}
         self.gen.calls = 0
         return rows
 
@@ -61,7 +64,8 @@ class RayAttempts:
         cfg = self.cfg
         stored = len(ctx.store)
         # what the store already answers is not sent: a resumed evaluation only ships the rest
-        todo = [(t, a) for t, a in todo if a or not ctx.store.has(t, ctx.pipeline.default, metered=False)]
+        todo = [(t, a) for t, a in todo if t not in ctx.failed
+                and (a or not ctx.store.has(t, ctx.pipeline.default, metered=False))]
         batches = [todo[i:i + cfg.batch_queries] for i in range(0, len(todo), cfg.batch_queries)]
         if not batches:
             return
@@ -76,6 +80,8 @@ class RayAttempts:
                     for row in rows["attempts"]:
                         ctx.store.add(row)
                     ctx.generator.calls += rows["generator_calls"]
+                    for text, error in rows.get("failed", {}).items():
+                        ctx.failed.setdefault(text, error)
                     bar.update(len(batches[b]))
         finally:
             pool.shutdown()

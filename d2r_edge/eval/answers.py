@@ -40,6 +40,7 @@ from d2r_edge.eval.outcomes import AttemptStore, CachedGenerator
 from d2r_edge.eval.querysets import EvalQuery, QuerySet, load_queryset
 from d2r_edge.eval.report import write_report
 from d2r_edge.eval.split import Split
+from d2r_edge.generate.openai_compat import GeneratorError
 from d2r_edge.jsonl import loads as json_line
 from d2r_edge.repair import ARM_NAMES, ARMS
 from d2r_edge.retrieval.retriever import Retriever
@@ -181,7 +182,26 @@ def fingerprint(s: EvalSettings, kb_input_sha256: str) -> dict:
             "train": [str(p) for p in s.train], "train_limit": s.train_limit,
             "test": [str(p) for p in s.test], "test_offset": s.test_offset,
             "evidence_titles": run.evidence_titles, "arms": list(ARM_NAMES), "gate": run.gate.value,
-            "extra_docs": [str(p) for p in s.extra_docs], "kb_input_sha256": kb_input_sha256}
+            "extra_docs": [str(p) for p in s.extra_docs], "kb_input_sha256": kb_input_sha256,
+            # the query files by content: an --out folder moved to another machine, its data under other
+            # paths, resumes (the paths above may then differ, the contents may not)
+            "files_sha256": {k: [sha256_file(Path(p)) if Path(p).is_file() else None for p in paths]
+                             for k, paths in (("train", s.train), ("test", s.test), ("extra_docs", s.extra_docs))}}
+
+
+# settings that name files: a folder moved with its data elsewhere may differ in these alone
+_PATH_KEYS = ("train", "test", "extra_docs")
+
+
+def _moved(have: dict, want: dict, diff: list[str]) -> bool:
+    """Only the files' paths differ, and the files are the same (by content, or for a folder written
+    before contents were recorded, by name: the KB digest already matched the documents)."""
+    if not diff or any(k not in _PATH_KEYS and k != "files_sha256" for k in diff):
+        return False
+    if "files_sha256" in have:
+        return have["files_sha256"] == want["files_sha256"]
+    return all([Path(p).name for p in have.get(k) or []] == [Path(p).name for p in want.get(k) or []]
+               for k in _PATH_KEYS)
 
 
 def _check_out(s: EvalSettings, kb_input_sha256: str) -> None:
@@ -205,7 +225,10 @@ def _check_out(s: EvalSettings, kb_input_sha256: str) -> None:
                              f"--extra-docs file changed since (the stored passages would be decoded against "
                              f"a different knowledge base); use another --out, or delete {s.out} to start over")
         diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
-        if diff:
+        if _moved(have, want, diff):
+            log.info("%s: the query files are the same under other paths (a moved folder); resuming", s.out)
+            path.write_text(json.dumps(want, indent=1) + "\n", encoding="utf-8")
+        elif diff:
             raise InputError(f"{s.out} holds an evaluation with other settings ({', '.join(diff)} differ); "
                              f"use another --out, or delete {s.out} to start over")
     else:
@@ -226,13 +249,23 @@ def shared_pipeline(run, out: Path, generation_cache: Path | None, read_only: bo
     return p, store, gen
 
 
-def compute_outcomes(p, text: str, every_arm: bool) -> None:
-    """The first attempt of a query and, if it fails and `every_arm`, every allowed arm (into p.memo)."""
-    first = p.metered_attempt(text, p.default, metered=False)[0]
-    if not every_arm or not p.repairs(first):
-        return
-    for arm in np.flatnonzero(p.allowed(first.diagnosis)):
-        p.metered_attempt(text, ARMS[int(arm)].apply(p.default))
+def compute_outcomes(p, text: str, every_arm: bool) -> str | None:
+    """The first attempt of a query and, if it fails and `every_arm`, every allowed arm (into p.memo).
+
+    Returns None, or the error of a generator that failed one of them after its retries (a
+    timeout, a server error): the evaluation then leaves the query out and goes on, and a rerun
+    computes what is missing (the attempts that did succeed are stored)."""
+    try:
+        first = p.metered_attempt(text, p.default, metered=False)[0]
+        if not every_arm or not p.repairs(first):
+            return None
+        for arm in np.flatnonzero(p.allowed(first.diagnosis)):
+            p.metered_attempt(text, ARMS[int(arm)].apply(p.default))
+    except GeneratorError as exc:
+        log.warning("generator failure, the query is left out of this evaluation (a rerun retries it): %r: %s",
+                    text[:80], exc)
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def compute_locally(run, s: EvalSettings, todo: list[tuple[str, bool]], ctx: Context) -> None:
@@ -240,7 +273,11 @@ def compute_locally(run, s: EvalSettings, todo: list[tuple[str, bool]], ctx: Con
     from tqdm import tqdm
 
     for text, all_arms in tqdm(todo, desc="first attempts + every allowed arm of failing queries", disable=None):
-        compute_outcomes(ctx.pipeline, text, all_arms)
+        if text in ctx.failed:
+            continue
+        error = compute_outcomes(ctx.pipeline, text, all_arms)
+        if error is not None:
+            ctx.failed[text] = error
 
 
 def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Context:
@@ -268,6 +305,7 @@ def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Co
         # the gate decides which queries are repaired, so the detector comes first: fitted on the
         # training queries' first attempts, saved, and handed to the workers by file
         compute(run, s, [(q.text, False) for q in ctx.train], ctx)
+        ctx.drop_failed()
         p.detector = fit_detector(ctx)
         if p.detector is None:
             raise InputError("--gate calibrated: the training queries cannot fit a detector (see the warning "
@@ -280,6 +318,7 @@ def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Co
         every_arm |= {q.id for q in ctx.train}
     todo = [(q.text, q.id in every_arm) for q in ctx.train + ctx.test]
     compute(run, s, todo, ctx)
+    ctx.drop_failed()
     if p.detector is None:
         # Alg. 1's gate: the detector only scores (p_wrong in the records, its detection row)
         p.detector = fit_detector(ctx)
@@ -294,6 +333,10 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
     ctx = open_context(s, attempts)
     try:
         records = {m.value: run_method(ctx, m) for m in s.methods}
+        # a query one method could not finish (its repair's generation failed) is left out of all
+        late = {q.id for q in ctx.test if q.text in ctx.failed}
+        ctx.drop_failed()
+        records = {m: [r for r in recs if r["id"] not in late] for m, recs in records.items()}
         run = ctx.settings.run
         gen = ("extractive (NLI labels, extracted sentences)" if run.generator == "extractive"
                else f"{run.model} at {run.base_url}")
@@ -302,7 +345,8 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
                  "train_files": [str(p) for p in s.train], "test_files": [str(p) for p in s.test],
                  "kb": ctx.kb_stats, "stored_attempts": len(ctx.store),
                  "generator_calls": ctx.generator.calls, "generator_cache_hits": ctx.generator.hits,
-                 "unavailable_arms": dict(ctx.pipeline.arms.unavailable)}
+                 "unavailable_arms": dict(ctx.pipeline.arms.unavailable),
+                 "generator_failures": _failures(ctx)}
         if Method.BEST_FIXED in s.methods:
             extra["best_fixed_arm"] = ARM_NAMES[best_fixed_arm(ctx)]
         if not s.task.fact_verification:
@@ -312,6 +356,13 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
     finally:
         ctx.store.close()
         ctx.generator.close()
+
+
+def _failures(ctx: Context) -> dict:
+    """The queries left out after a generator failure, by split (ids and errors, the first 50)."""
+    rows = ctx.left_out
+    return {"train": sum(r["split"] == "train" for r in rows), "test": sum(r["split"] == "test" for r in rows),
+            "queries": rows[:50]}
 
 
 def hypothesis_forms(ctx: Context) -> dict:

@@ -104,6 +104,10 @@ class EvalSettings:
             raise InputError("EvalSettings.run must be a RunSettings (generator, budgets, seed)")
 
 
+class QueryFailed(Exception):
+    """A method's pass over one query met a generator failure (a repair that could not be generated)."""
+
+
 @dataclass
 class Context:
     """What the methods share: the base pipeline (memo, cached generator) and the queries."""
@@ -117,6 +121,25 @@ class Context:
     kb_stats: dict = field(default_factory=dict)
     train_files: dict[str, str] = field(default_factory=dict)    # query id -> the file it came from
     test_files: dict[str, str] = field(default_factory=dict)
+    # query text -> the generator's error: one of its attempts failed after the client's retries.
+    # Such a query is left out of every method (each compares the same queries) and recorded in
+    # the summary; nothing of it is stored, so a rerun tries it again.
+    failed: dict[str, str] = field(default_factory=dict)
+    left_out: list[dict] = field(default_factory=list)           # {"split", "id", "error"} per query
+
+    def fail(self, text: str, exc: BaseException) -> None:
+        self.failed.setdefault(text, f"{type(exc).__name__}: {exc}")
+
+    def drop_failed(self) -> None:
+        """Take the failed queries out of the training and test lists (noted in `left_out`)."""
+        for split in ("train", "test"):
+            keep = []
+            for q in getattr(self, split):
+                if q.text in self.failed:
+                    self.left_out.append({"split": split, "id": q.id, "error": self.failed[q.text]})
+                else:
+                    keep.append(q)
+            setattr(self, split, keep)
 
     def first(self, q: EvalQuery):
         return self.pipeline.metered_attempt(q.text, self.pipeline.default, metered=False)[0]

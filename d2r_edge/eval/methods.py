@@ -8,17 +8,21 @@ best outcome post hoc.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import numpy as np
 
 from d2r_edge.config import Budget
 from d2r_edge.detector import record_signals
-from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, Context, EvalQuery, Method
+from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, Context, EvalQuery, Method, QueryFailed
+from d2r_edge.generate.openai_compat import GeneratorError
 from d2r_edge.pipeline import attempt_seconds
 from d2r_edge.repair import ARM_NAMES, ARMS
 from d2r_edge.runner import RecordLog
 from d2r_edge.signals import Entailment, FailureType
+
+log = logging.getLogger(__name__)
 
 
 def _record(ctx: Context, q: EvalQuery, method: Method, first, final, arm: int | None, cost,
@@ -135,6 +139,8 @@ def train_policy(ctx: Context, method: Method):
 
 def _policy_record(ctx: Context, p, q: EvalQuery, method: Method) -> dict:
     rec = p.run(q.text, learn=False)
+    if rec.get("repair_error"):       # the chosen arm's generation failed: not "no repair"
+        raise QueryFailed(rec["repair_error"])
     first = ctx.first(q)
     if rec["repair"] is None:
         return _record(ctx, q, method, first, first, None, None, p.budget)
@@ -188,13 +194,21 @@ def run_method(ctx: Context, method: Method) -> list[dict]:
                 p = train_policy(ctx, method)
                 make = lambda q: _policy_record(ctx, p, q, method)  # noqa: E731
             for q in ctx.test:
-                if q.id not in done:
-                    rlog.append(make(q))
-                elif method in POLICY_METHODS:
-                    # replayed, not recorded: a sampling policy's random state then reaches the
-                    # remaining queries as in an uninterrupted run
-                    make(q)
+                if q.text in ctx.failed:
+                    continue
+                try:
+                    if q.id not in done:
+                        rlog.append(make(q))
+                    elif method in POLICY_METHODS:
+                        # replayed, not recorded: a sampling policy's random state then reaches the
+                        # remaining queries as in an uninterrupted run
+                        make(q)
+                except (GeneratorError, QueryFailed) as exc:
+                    # generated on demand here (an arm no earlier pass computed): the query is left
+                    # out of every method, and a rerun tries it again
+                    log.warning("%s: generator failure on test query %s, left out: %s", method.value, q.id, exc)
+                    ctx.fail(q.text, exc)
     finally:
         rlog.close()
     by_id = {r["id"]: r for r in rlog.records}
-    return [by_id[q.id] for q in ctx.test]
+    return [by_id[q.id] for q in ctx.test if q.id in by_id and q.text not in ctx.failed]

@@ -277,6 +277,11 @@ def markdown(summary: dict) -> str:
     if summary.get("generator_cache_hits"):
         lines.append(f"{summary['generator_cache_hits']} generator answers were replayed from the generation "
                      f"cache in this run; their attempts' latency counts the time the original call took.")
+    failed = summary.get("generator_failures") or {}
+    if failed.get("train") or failed.get("test"):
+        lines.append(f"Left out after a generator failure (after the client's retries): {failed['test']} test and "
+                     f"{failed['train']} training queries, from every method (ids and errors in summary.json); "
+                     f"a rerun with the same --out tries them again.")
     off = summary.get("unavailable_arms") or {}
     if off:
         lines.append("Arms the loaded models cannot run, never chosen or tried by any method here: "
