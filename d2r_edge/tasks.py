@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import tomllib
 from dataclasses import dataclass
 from enum import Enum
@@ -46,3 +47,10 @@ def build_prompt(task: Task, style: PromptStyle, query: str, passages: list[str]
     table = _templates()[task.value]
     evidence = "\n".join(f"[{i + 1}] {p}" for i, p in enumerate(passages)) or "(no passages found)"
     return Prompt(table["system"], table[style.value].format(query=query, evidence=evidence))
+
+
+def template_sha256(task: Task, style: PromptStyle) -> str:
+    """The prompt template of (task, style) with its system line: cached answers are keyed by it,
+    so a changed prompt never replays answers to the old one."""
+    table = _templates()[task.value]
+    return hashlib.sha256(f"{table['system']}\n{table[style.value]}".encode()).hexdigest()

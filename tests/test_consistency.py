@@ -148,6 +148,35 @@ def test_the_diagnosis_carries_the_signals_into_records_stores_and_the_detector(
     other.close()
 
 
+def test_a_changed_prompt_template_is_another_request(tmp_path, monkeypatch):
+    """Answers cached for one prompt are never replayed for another (issue 35's prompt work changes it)."""
+    import d2r_edge.tasks as tasks
+    from d2r_edge.eval.outcomes import CachedGenerator
+
+    class LLM:
+        name, model, calls = "llm", "m", 0
+
+        def generate(self, task, style, query, passages):
+            self.calls += 1
+            return Generation("Paris", None, "raw")
+
+    inner = LLM()
+    cache = CachedGenerator(inner, tmp_path / "g.jsonl")
+    cache.generate(Task.QA, PromptStyle.SIMPLE, "q", ["p"])
+    cache.generate(Task.QA, PromptStyle.SIMPLE, "q", ["p"])
+    assert inner.calls == 1
+    before = cache.key(Task.QA, PromptStyle.SIMPLE, "q", ["p"])
+    real = tasks._templates()
+    edited = {k: dict(v) for k, v in real.items()}
+    edited["qa"]["simple"] = real["qa"]["simple"] + "\nAnswer in one word."
+    monkeypatch.setattr(tasks, "_templates", lambda: edited)
+    assert cache.key(Task.QA, PromptStyle.SIMPLE, "q", ["p"]) != before
+    assert cache.key(Task.QA, PromptStyle.PARAPHRASE, "q", ["p"]) != before    # unchanged style: its own key
+    cache.generate(Task.QA, PromptStyle.SIMPLE, "q", ["p"])
+    assert inner.calls == 2
+    cache.close()
+
+
 def test_samples_need_an_llm_generator(tmp_path):
     from d2r_edge.app import RunSettings
     from d2r_edge.errors import ConfigError

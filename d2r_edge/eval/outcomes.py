@@ -30,6 +30,7 @@ from d2r_edge.repair import PipelineConfig
 from d2r_edge.retrieval.retriever import Passage
 from d2r_edge.runner import RecordLog, read_records
 from d2r_edge.signals import Entailment, FailureType, KGStatus
+from d2r_edge.tasks import template_sha256
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +261,8 @@ class CachedGenerator:
         # JSON mode is read per request: a server that rejects it changes the output format
         req = [self.identity, task.value, style.value if self.prompt_sensitive else None, query, passages,
                getattr(self.inner, "json_mode", None)]
+        if self.prompt_sensitive:      # the template's text too: a changed prompt is another request
+            req.append(template_sha256(task, style))
         return hashlib.sha256(json.dumps(req, ensure_ascii=False).encode()).hexdigest()
 
     def generate(self, task, style, query: str, passages: list[str]) -> Generation:
