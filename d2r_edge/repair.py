@@ -1,7 +1,8 @@
 """The repair arms, as data: each one is a change to the pipeline config.
 
 The paper's 11 (dense/BM25 at k = 10/20, each also with refresh; rerank; two
-prompt styles), then ours: `second_hop`. A retrieval arm is one that changes
+prompt styles), then ours: `second_hop`, `dense_k3` (fewer passages) and
+`prompt_extract` (copy the answering span). A retrieval arm is one that changes
 the evidence; only those may repair an UNVERIFIED FEVER answer.
 """
 
@@ -21,6 +22,7 @@ class PromptStyle(str, Enum):
     SIMPLE = "simple"
     PARAPHRASE = "paraphrase"
     SIMPLIFY = "simplify"
+    EXTRACT = "extract"          # copy the deciding sentence / the shortest answering span (issue 35)
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,12 @@ ARMS: tuple[Arm, ...] = tuple(
        Arm("prompt_paraphrase", prompt=PromptStyle.PARAPHRASE),
        Arm("prompt_simplify", prompt=PromptStyle.SIMPLIFY),
        # ours (issue 15): the default passages plus up to 2 whose title the top passage names
-       Arm("second_hop", second_hop=2)]
+       Arm("second_hop", second_hop=2),
+       # ours (issue 35), for failures of the generator with the evidence in hand: fewer passages
+       # (less to be distracted by, the reranker-free sibling of `rerank`'s top 3) and a prompt that
+       # asks for a copied span instead of an answer in the model's own words
+       Arm("dense_k3", kind=RetrieverKind.DENSE, top_k=3),
+       Arm("prompt_extract", prompt=PromptStyle.EXTRACT)]
 )
 ARM_NAMES = [a.name for a in ARMS]
 IS_RETRIEVAL = np.array([a.is_retrieval for a in ARMS])

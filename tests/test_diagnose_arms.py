@@ -101,10 +101,11 @@ def test_empty_retrieval_is_insufficient_evidence():
 
 
 def test_arm_registry():
-    assert len(ARMS) == 12 and len({a.name for a in ARMS}) == 12
-    assert IS_RETRIEVAL.sum() == 9
+    assert len(ARMS) == 14 and len({a.name for a in ARMS}) == 14
+    assert IS_RETRIEVAL.sum() == 10          # the 8 dense/BM25 arms, second_hop, dense_k3
     combos = {(a.kind, a.top_k, a.refresh) for a in ARMS if a.kind is not None}
-    assert combos == set(itertools.product([RetrieverKind.DENSE, RetrieverKind.BM25], [10, 20], [False, True]))
+    assert combos == set(itertools.product([RetrieverKind.DENSE, RetrieverKind.BM25], [10, 20], [False, True])) \
+        | {(RetrieverKind.DENSE, 3, False)}
     base = PipelineConfig()
     assert base.retrieval.kind is RetrieverKind.DENSE and base.retrieval.top_k == 5
     assert not base.retrieval.rerank and base.prompt is PromptStyle.SIMPLE
@@ -113,6 +114,9 @@ def test_arm_registry():
     assert (cfg.retrieval.kind, cfg.retrieval.top_k, cfg.refresh) == (RetrieverKind.BM25, 20, True)
     assert by["rerank"].apply(base).retrieval.rerank and by["rerank"].apply(base).retrieval.rerank_top_n == 3
     assert by["prompt_simplify"].apply(base).prompt is PromptStyle.SIMPLIFY
+    # issue 35's arms: fewer passages (a retrieval arm: it changes the evidence) and the span prompt
+    assert by["dense_k3"].apply(base).retrieval.top_k == 3 and by["dense_k3"].is_retrieval
+    assert by["prompt_extract"].apply(base).prompt is PromptStyle.EXTRACT and not by["prompt_extract"].is_retrieval
     assert by["prompt_paraphrase"].apply(base).retrieval == base.retrieval
     hop = by["second_hop"].apply(base)         # ours: a retrieval change as data, nothing else moves
     assert hop.retrieval == base.retrieval.with_(second_hop=2) and hop.prompt is base.prompt
@@ -121,7 +125,7 @@ def test_arm_registry():
 
 
 def test_unverified_rule():
-    assert allowed_arms(True).tolist() == [True] * 8 + [False] * 3 + [True]
+    assert allowed_arms(True).tolist() == [True] * 8 + [False] * 3 + [True, True, False]   # + dense_k3, prompt_extract
     assert allowed_arms(False).all()
     assert allowed_arms(True, restrict_unverified=False).all()   # QA (reference HotpotQA scripts)
 
@@ -220,3 +224,17 @@ def test_until_entailed_scores_the_extracted_sentence_first():
         "Is the mill old?", passages, "The mill stands by the river.", Label.SUPPORTS, True)
     assert nli.pairs == 4 + 1 and d.e_r is E                     # 4 claim pairs, then the source passage only
     assert [p is not None for p in d.passage_probs_r] == [False, False, True, False]
+
+
+def test_every_prompt_style_has_a_template_for_both_tasks_and_its_reply_parses():
+    from d2r_edge.generate.base import parse_output
+    from d2r_edge.tasks import Task, build_prompt
+
+    for task in Task:
+        for style in PromptStyle:
+            p = build_prompt(task, style, "Is {this} a query?", ["T\nsome text {x}", "U\nmore"])
+            assert "Is {this} a query?" in p.user and "[2] U\nmore" in p.user and p.system
+    # the span prompt's reply, keys in its order
+    g = parse_output(Task.FEVER, '{"response": "The Danube empties into the Black Sea.", "label": "REFUTES"}')
+    assert g.label is Label.REFUTES and g.response == "The Danube empties into the Black Sea."
+    assert parse_output(Task.QA, '{"answer": "Irkutsk"}').response == "Irkutsk"

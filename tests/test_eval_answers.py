@@ -187,6 +187,24 @@ def test_a_generator_failure_leaves_its_query_out_and_a_rerun_retries_it(tmp_pat
     s = json.loads((out / "summary.json").read_text())
     assert (s["generator_failures"]["test"], s["n_test"], s["n_train"]) == (0, 8, 6)
     assert str(rows[8]["id"]) in {r["id"] for r in _records(out, "oracle")}
+    # every test query failing leaves nothing to evaluate: one clear error, the generator's exit code
+    down.update(r["question"] for r in rows)
+    exec(_HASH_NLI, {})
+    try:
+        assert main(_args(fever_file, tiny_models, tmp_path / "none", "--methods", "naive", "--train-limit", "2",
+                          "--test-limit", "3", "--split", "all")) == GeneratorError.exit_code
+    finally:
+        NLI.score = real
+
+
+def test_which_generator_failures_a_query_may_have_alone():
+    from d2r_edge.generate.openai_compat import GeneratorError
+
+    assert GeneratorError("x", status=401).client_error and GeneratorError("x", status=404).client_error
+    for transient in (GeneratorError("x", status=503), GeneratorError("x", status=429),
+                      GeneratorError("x", timed_out=True), GeneratorError("x", status=400, timed_out=True),
+                      GeneratorError("x")):
+        assert not transient.client_error
 
 
 def test_rerun_redoes_nothing(evaluated, tiny_models, fever_file):

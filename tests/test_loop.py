@@ -77,7 +77,7 @@ def test_fifty_claims_every_record_complete_and_resume_exact(world, tiny_models,
             assert rep["arm"] and rep["latency_s"] >= 0 and 0 <= rep["reward"] <= 1
             assert rep["memory_kind"] == "host" and rep["allowed"]
             if r["first"]["gated_label"] == "UNVERIFIED":
-                assert len(rep["allowed"]) == 9 and not rep["arm"].startswith("prompt")   # 8 + second_hop
+                assert len(rep["allowed"]) == 10 and not rep["arm"].startswith("prompt")   # 8 + second_hop + dense_k3
     failures = {r["failure"] for r in on_disk}
     assert len(failures) >= 2 and any(r["repair"] for r in on_disk)
     text = summary(on_disk)

@@ -262,6 +262,8 @@ def compute_outcomes(p, text: str, every_arm: bool) -> str | None:
         for arm in np.flatnonzero(p.allowed(first.diagnosis)):
             p.metered_attempt(text, ARMS[int(arm)].apply(p.default))
     except GeneratorError as exc:
+        if exc.client_error:          # would meet every query: stop here
+            raise
         log.warning("generator failure, the query is left out of this evaluation (a rerun retries it): %r: %s",
                     text[:80], exc)
         return f"{type(exc).__name__}: {exc}"
@@ -319,6 +321,7 @@ def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Co
     todo = [(q.text, q.id in every_arm) for q in ctx.train + ctx.test]
     compute(run, s, todo, ctx)
     ctx.drop_failed()
+    _some_test_left(ctx)
     if p.detector is None:
         # Alg. 1's gate: the detector only scores (p_wrong in the records, its detection row)
         p.detector = fit_detector(ctx)
@@ -337,6 +340,7 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
         late = {q.id for q in ctx.test if q.text in ctx.failed}
         ctx.drop_failed()
         records = {m: [r for r in recs if r["id"] not in late] for m, recs in records.items()}
+        _some_test_left(ctx)
         run = ctx.settings.run
         gen = ("extractive (NLI labels, extracted sentences)" if run.generator == "extractive"
                else f"{run.model} at {run.base_url}")
@@ -356,6 +360,14 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
     finally:
         ctx.store.close()
         ctx.generator.close()
+
+
+def _some_test_left(ctx: Context) -> None:
+    if not ctx.test and ctx.left_out:
+        first = next(r for r in ctx.left_out if r["split"] == "test")
+        raise GeneratorError(f"every test query's generation failed ({sum(r['split'] == 'test' for r in ctx.left_out)}"
+                             f" of them; the first: {first['error']}); nothing to evaluate - check the generator "
+                             f"server, then rerun with the same --out (what succeeded is kept)")
 
 
 def _failures(ctx: Context) -> dict:

@@ -204,6 +204,8 @@ def run_method(ctx: Context, method: Method) -> list[dict]:
                         # remaining queries as in an uninterrupted run
                         make(q)
                 except (GeneratorError, QueryFailed) as exc:
+                    if getattr(exc, "client_error", False):      # a 4xx would meet every query: stop
+                        raise
                     # generated on demand here (an arm no earlier pass computed): the query is left
                     # out of every method, and a rerun tries it again
                     log.warning("%s: generator failure on test query %s, left out: %s", method.value, q.id, exc)

@@ -52,6 +52,12 @@ class GeneratorError(D2RError):
         super().__init__(message)
         self.timed_out, self.status, self.attempts = timed_out, status, attempts
 
+    @property
+    def client_error(self) -> bool:
+        """The upstream refused the request as such (a 4xx other than 429: a wrong key, model or request):
+        every request would meet it, where a timeout, a 5xx or a dropped connection may be this one's alone."""
+        return not self.timed_out and self.status is not None and 400 <= self.status < 500 and self.status != 429
+
 
 def status_text(code: int) -> str:
     try:
