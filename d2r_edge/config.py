@@ -74,6 +74,11 @@ class Budget:
         rel = self.latency_x * max(first, MIN_FIRST_ATTEMPT_S)
         return Budget(rel if self.latency_s is None else min(self.latency_s, rel), self.device_mem_mib)
 
+    def exceeded_by(self, latency_s: float, mem_growth_mib: float) -> bool:
+        """Whether a repair action's measured cost broke this (absolute) budget."""
+        b = self.absolute()
+        return bool(latency_s > b.latency_s or mem_growth_mib > b.device_mem_mib)
+
     def absolute(self) -> "Budget":
         """This budget where one query's bound is needed; a relative one must be resolved first."""
         if self.latency_x is not None:

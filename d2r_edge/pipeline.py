@@ -58,9 +58,14 @@ class Attempt:
 STAGES = ("embed_query_s", "refresh_s", "retrieve_s", "generate_s", "diagnose_s")
 
 
+def stage_seconds(timings_s: dict) -> float:
+    """The sum of an attempt's recorded stage times (an Attempt's `timings_s`, or a record's)."""
+    return sum(timings_s.get(k, 0.0) for k in STAGES)
+
+
 def attempt_seconds(a: "Attempt") -> float:
     """An attempt's recorded stage times: what a relative budget (Budget.latency_x) multiplies."""
-    return sum(a.timings_s.get(k, 0.0) for k in STAGES)
+    return stage_seconds(a.timings_s)
 
 
 class AttemptMemo(Protocol):
@@ -290,7 +295,7 @@ class Pipeline:
             "mask_fallback": masked.fallback, "arm": ARM_NAMES[arm], "arm_index": arm,
             "propensity": propensity, "explored": explored, "latency_s": cost.latency_s,
             "mem_growth_mib": cost.mem_growth_mib, "memory_kind": cost.memory_kind.value,
-            "over_budget": cost.latency_s > budget.latency_s or cost.mem_growth_mib > budget.device_mem_mib,
+            "over_budget": budget.exceeded_by(cost.latency_s, cost.mem_growth_mib),
             "budget": self.budget.describe(spent_s),
             "reward": r, "x": x.tolist() if learn else None, "policy_s": policy_s,
             "is_retrieval_arm": bool(IS_RETRIEVAL[arm]), "unavailable": dict(self.arms.unavailable),

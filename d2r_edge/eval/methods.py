@@ -42,8 +42,7 @@ def _record(ctx: Context, q: EvalQuery, method: Method, first, final, arm: int |
         "latency_s": None if cost is None else cost.latency_s,
         "mem_growth_mib": None if cost is None else cost.mem_growth_mib,
         "memory_kind": None if cost is None else cost.memory_kind.value,
-        "over_budget": None if cost is None else bool(cost.latency_s > budget.latency_s
-                                                      or cost.mem_growth_mib > budget.device_mem_mib),
+        "over_budget": None if cost is None else budget.exceeded_by(cost.latency_s, cost.mem_growth_mib),
         "budget_latency_s": budget.latency_s,       # this query's bound (relative budgets differ by query)
         "gold": q.label if ctx.settings.task.fact_verification else list(q.answers),
         "first_passages": [p.doc_id for p in first.passages],

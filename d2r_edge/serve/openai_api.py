@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from d2r_edge.errors import InputError
-from d2r_edge.pipeline import STAGES
+from d2r_edge.pipeline import stage_seconds
 from d2r_edge.runtime import PassageRef, Result, Verification
 
 MODEL_NAME = "d2r-edge"
@@ -117,8 +117,7 @@ def _repair_bounds(res: Result, budget) -> dict:
     seconds are latency_x times this request's first attempt, capped by the absolute budget."""
     out = {"repair_latency_s": budget.latency_s, "repair_device_mem_mib": budget.device_mem_mib}
     if budget.relative:
-        timings = (res.record.get("first") or {}).get("timings_s") or {}
-        first_s = sum(timings.get(k, 0.0) for k in STAGES)
+        first_s = stage_seconds((res.record.get("first") or {}).get("timings_s") or {})
         out.update(repair_latency_s=budget.for_attempt(first_s).latency_s, repair_latency_x=budget.latency_x,
                    repair_latency_s_cap=budget.latency_s)
     return out
