@@ -191,7 +191,8 @@ def build_pipeline(s: RunSettings) -> Pipeline:
         return kb.refresh(embedder, extra=pool.draw() if pool else None)
 
     embedder.warmup()
-    arms = arm_availability(manifest.roles, manifest.absent)
+    arms = arm_availability(manifest.roles, manifest.absent,
+                            samples=s.self_consistency if s.generator == "openai" else 0)
     if s.parallel_requests > 1:
         arms = without_refresh(arms)
     for name, why in arms.unavailable.items():

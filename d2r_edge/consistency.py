@@ -18,6 +18,12 @@ answer is compared with N sampled answers to the same prompt
 
 A generator without samples (the extractive one, N = 0, a cached answer from
 before) leaves the signals missing (None), never invented.
+
+`majority` is the same clustering used as an answer: the repair arm
+`sample_majority` (d2r_edge.repair) answers with the largest cluster's answer,
+for free once the first attempt's samples exist (Wang et al., 2023, "self-
+consistency improves chain of thought reasoning": the majority of sampled
+answers beats the greedy one).
 """
 
 from __future__ import annotations
@@ -82,3 +88,16 @@ def signals(query: str, greedy: str, samples: tuple[str, ...] | list[str] | None
     return {"sc_agreement": sum(1 for c in ids[1:] if c == ids[0]) / (n - 1),
             "sc_clusters": float(len(counts)),
             "sc_entropy": float(-sum(c / n * math.log(c / n) for c in counts.values()))}
+
+
+def majority(query: str, greedy: str, samples: tuple[str, ...] | list[str], fact_verification: bool,
+             nli: PairScorer | None = None) -> str:
+    """The answer of the largest cluster among greedy + samples (clustered as `clusters` does); a tie
+    goes to the greedy answer's cluster if it is among the largest, else to the one seen first. The
+    cluster's answer is its first member's: the greedy answer when it is in it."""
+    answers = [greedy, *samples]
+    ids = clusters(query, answers, fact_verification, nli)
+    counts = Counter(ids)
+    best = max(counts.values())
+    winner = ids[0] if counts[ids[0]] == best else next(c for c in ids if counts[c] == best)
+    return answers[ids.index(winner)]

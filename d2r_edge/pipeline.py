@@ -13,6 +13,7 @@ import numpy as np
 import d2r_edge.deadline as deadline
 from d2r_edge.budget import CostModel, Measurement, Meter
 from d2r_edge.config import Budget, RewardConfig
+from d2r_edge.consistency import majority
 from d2r_edge.detector import Detector, Gate, record_signals
 from d2r_edge.diagnose import Diagnoser, Diagnosis, Label
 from d2r_edge.errors import RECOVERABLE, ConfigError
@@ -134,15 +135,16 @@ class Pipeline:
         return cfg
 
     def metered_attempt(self, query: str, cfg: PipelineConfig, query_vec: np.ndarray | None = None,
-                        metered: bool = True) -> tuple[Attempt, Measurement | None]:
-        """One attempt with its measured cost; from the memo when it has this (query, config)."""
+                        metered: bool = True, first: Attempt | None = None) -> tuple[Attempt, Measurement | None]:
+        """One attempt with its measured cost; from the memo when it has this (query, config).
+        `first`: the query's first attempt, which a voting arm reads instead of computing it again."""
         cfg = self.effective(cfg)
         if self.memo is not None:
             hit = self.memo.get(query, cfg, metered)
             if hit is not None:
                 return hit
         with self.meter.measure() as m:
-            a = self.attempt(query, cfg, query_vec)
+            a = self.attempt(query, cfg, query_vec, first)
         # an unmetered attempt (a first pass) still notes its memory growth: the context's
         # remaining-memory feature reads it, as the remaining-latency feature reads its times
         a.timings_s["mem_growth_mib"] = m.result.mem_growth_mib
@@ -156,7 +158,13 @@ class Pipeline:
             self.memo.put(query, cfg, a, cost)
         return a, cost
 
-    def attempt(self, query: str, cfg: PipelineConfig, query_vec: np.ndarray | None = None) -> Attempt:
+    def attempt(self, query: str, cfg: PipelineConfig, query_vec: np.ndarray | None = None,
+                first: Attempt | None = None) -> Attempt:
+        """Retrieve, generate, diagnose with `cfg`. Self-consistency samples are drawn for the default
+        configuration's attempt only (the first, which the detector gates; a repair is never gated
+        again); a voting config (`majority`) reads them from `first` (or the memo) and generates nothing."""
+        if cfg.majority:
+            return self._vote(query, cfg, query_vec, first)
         t = {}
         t0 = time.perf_counter()
         if cfg.refresh and self.refresh is not None:
@@ -168,13 +176,37 @@ class Pipeline:
         t["retrieve_s"] = time.perf_counter() - t0
         texts = [evidence_text(p, cfg.evidence_titles) for p in passages]
         t0 = time.perf_counter()
-        gen = self.generator.generate(self.task, cfg.prompt, query, texts)
+        gen = self.generator.generate(self.task, cfg.prompt, query, texts,
+                                      sample=cfg == self.effective(self.default))
         t["generate_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         extra = {"samples": gen.samples} if gen.samples else {}      # (stand-in diagnosers take none)
         diag = self.diagnoser.diagnose(query, texts, gen.response, gen.label, self.task.fact_verification, **extra)
         t["diagnose_s"] = time.perf_counter() - t0
         return Attempt(passages, gen, diag, t)
+
+    def _vote(self, query: str, cfg: PipelineConfig, query_vec: np.ndarray | None, first: Attempt | None) -> Attempt:
+        """The `sample_majority` arm: the first attempt's passages, answered with the majority of its
+        greedy answer and samples (d2r_edge.consistency.majority), then diagnosed again. Without
+        samples (a failed or uncached sampling) the answer is the first one, unchanged."""
+        base_cfg = replace(cfg, majority=False)
+        if first is None or self.effective(base_cfg) != self.effective(self.default):
+            first = self.metered_attempt(query, base_cfg, query_vec, metered=False)[0]
+        t = {"refresh_s": 0.0, "retrieve_s": 0.0}
+        t0 = time.perf_counter()
+        g, fv = first.generation, self.task.fact_verification
+        greedy = ((g.label.value if g.label is not None else Label.NOT_ENOUGH_INFO.value) if fv else g.response)
+        nli = getattr(self.diagnoser, "nli", None)
+        winner = majority(query, greedy, g.samples, fv, nli) if g.samples else greedy
+        gen = Generation(response=g.response if fv else winner, label=Label.parse(winner) if fv else None,
+                         raw=g.raw, logprobs=g.logprobs if winner == greedy else None, samples=g.samples)
+        t["generate_s"] = time.perf_counter() - t0
+        texts = [evidence_text(p, cfg.evidence_titles) for p in first.passages]
+        t0 = time.perf_counter()
+        extra = {"samples": gen.samples} if gen.samples else {}
+        diag = self.diagnoser.diagnose(query, texts, gen.response, gen.label, fv, **extra)
+        t["diagnose_s"] = time.perf_counter() - t0
+        return Attempt(list(first.passages), gen, diag, t)
 
     def run(self, query: str, learn: bool, deadline_s: float | None = None) -> dict:
         """Answer one query with at most one repair (Alg. 2 l.6-15); returns the record."""
@@ -272,7 +304,7 @@ class Pipeline:
                 key = None if learn else query
                 arm, propensity, explored = self.policy.select(x, masked.allowed, key=key), None, False
         policy_s = time.perf_counter() - t0
-        second, cost = self.metered_attempt(query, ARMS[arm].apply(self.default), q_vec)
+        second, cost = self.metered_attempt(query, ARMS[arm].apply(self.default), q_vec, first=first)
         d2 = second.diagnosis
         r = reward(no_failure=d2.failure is FailureType.NO_FAILURE,
                    kg_consistent=d2.kg is KGStatus.CONSISTENT,

@@ -1,8 +1,9 @@
 """The repair arms, as data: each one is a change to the pipeline config.
 
 The paper's 11 (dense/BM25 at k = 10/20, each also with refresh; rerank; two
-prompt styles), then ours: `second_hop`, `dense_k3` (fewer passages) and
-`prompt_extract` (copy the answering span). A retrieval arm is one that changes
+prompt styles), then ours: `second_hop`, `dense_k3` (fewer passages),
+`prompt_extract` (copy the answering span) and `sample_majority` (the majority
+of the first attempt's self-consistency samples). A retrieval arm is one that changes
 the evidence; only those may repair an UNVERIFIED FEVER answer.
 """
 
@@ -37,6 +38,9 @@ class PipelineConfig:
     prompt: PromptStyle = PromptStyle.SIMPLE
     refresh: bool = False
     evidence_titles: bool = True
+    # answer with the majority of the first attempt's greedy answer and its self-consistency
+    # samples (d2r_edge.consistency.majority) instead of generating again
+    majority: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class Arm:
     rerank: bool = False
     prompt: PromptStyle | None = None
     second_hop: int = 0
+    majority: bool = False                      # vote among the first attempt's samples
     requires: frozenset[Role] = frozenset()     # model roles the arm cannot run without
 
     @property
@@ -63,7 +68,8 @@ class Arm:
         if self.rerank:
             # rerank the default candidate pool down to its top 3 (paper setting)
             r = r.with_(rerank=True)
-        return replace(cfg, retrieval=r, prompt=self.prompt or cfg.prompt, refresh=self.refresh)
+        return replace(cfg, retrieval=r, prompt=self.prompt or cfg.prompt, refresh=self.refresh,
+                       majority=self.majority)
 
 
 ARMS: tuple[Arm, ...] = tuple(
@@ -78,8 +84,12 @@ ARMS: tuple[Arm, ...] = tuple(
        # (less to be distracted by, the reranker-free sibling of `rerank`'s top 3) and a prompt that
        # asks for a copied span instead of an answer in the model's own words
        Arm("dense_k3", kind=RetrieverKind.DENSE, top_k=3),
-       Arm("prompt_extract", prompt=PromptStyle.EXTRACT)]
+       Arm("prompt_extract", prompt=PromptStyle.EXTRACT),
+       # the most common answer among the first attempt's greedy answer and its self-consistency
+       # samples: no generation at all (needs --self-consistency N >= 2)
+       Arm("sample_majority", majority=True)]
 )
+MIN_VOTE_SAMPLES = 2     # with one sample a tie always goes to the greedy answer: the arm could not change it
 ARM_NAMES = [a.name for a in ARMS]
 IS_RETRIEVAL = np.array([a.is_retrieval for a in ARMS])
 
@@ -104,13 +114,20 @@ class ArmAvailability:
         return self.unavailable.get(ARM_NAMES[arm])
 
 
-def arm_availability(roles: Iterable[Role], absent: Mapping[Role, str] | None = None) -> ArmAvailability:
-    """The one place that decides which arms can run with the loaded model roles.
+def arm_availability(roles: Iterable[Role], absent: Mapping[Role, str] | None = None,
+                     samples: int = 0) -> ArmAvailability:
+    """The one place that decides which arms can run with the loaded model roles and generator.
 
-    `absent`: the manifest's reasons for roles it does not have (shown to the user)."""
+    `absent`: the manifest's reasons for roles it does not have (shown to the user); `samples`: the
+    generator's self-consistency samples per first answer (the voting arm needs >= 2)."""
     have, absent = frozenset(roles), dict(absent or {})
     mask, why = np.ones(len(ARMS), dtype=bool), {}
     for i, arm in enumerate(ARMS):
+        if arm.majority and samples < MIN_VOTE_SAMPLES:
+            mask[i] = False
+            why[arm.name] = (f"no self-consistency samples to vote among (the generator draws {samples}; "
+                             f"give an LLM generator --self-consistency N with N >= {MIN_VOTE_SAMPLES})")
+            continue
         missing = sorted(arm.requires - have, key=lambda r: r.value)
         if missing:
             mask[i] = False

@@ -14,6 +14,9 @@ from d2r_edge.repair import ARM_NAMES, arm_availability
 
 RERANK = ARM_NAMES.index("rerank")
 NO_RERANKER = {"reranker": "the quick build trains no reranker; rerank arms are off"}
+# the extractive generator draws no self-consistency samples: the voting arm is off in every profile here
+NO_VOTE = arm_availability(list(Role)).unavailable
+assert list(NO_VOTE) == ["sample_majority"]
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +58,29 @@ def _rerank_loving_policy(world, tiny_models, path: Path) -> Path:
 def test_the_one_place_that_decides_names_the_missing_role():
     from d2r_edge.repair import allowed_arms
 
-    every = arm_availability(list(Role))
+    every = arm_availability(list(Role), samples=4)
     assert every.mask.all() and every.unavailable == {}
-    quick = arm_availability([Role.NLI, Role.EMBEDDER], {Role.RERANKER: "the quick build trains none"})
+    quick = arm_availability([Role.NLI, Role.EMBEDDER], {Role.RERANKER: "the quick build trains none"}, samples=4)
     assert quick.mask.tolist() == [name != "rerank" for name in ARM_NAMES]
     assert quick.unavailable == {"rerank": "no reranker model (the quick build trains none)"}
+    # without self-consistency samples the voting arm is off too, and says how to turn it on
+    plain = arm_availability(list(Role))
+    assert plain.mask.tolist() == [name != "sample_majority" for name in ARM_NAMES]
+    assert "--self-consistency N with N >= 2" in plain.unavailable["sample_majority"]
     assert "in the profile's manifest" in arm_availability([Role.NLI]).unavailable["rerank"]
     # masked like the UNVERIFIED rule, on top of it
     assert not allowed_arms(False, True, quick.mask)[RERANK]
     assert allowed_arms(True, True, quick.mask).tolist() == allowed_arms(True, True).tolist()
     with pytest.raises(ValueError, match="one entry per arm"):
         type(quick)(np.ones(3, dtype=bool))
+
+
+def test_the_voting_arm_follows_the_generator_s_samples(world, tiny_models):
+    vote = ARM_NAMES.index("sample_majority")
+    assert not _pipeline(world, tiny_models).arms.mask[vote]               # extractive: nothing to vote on
+    llm = dict(generator="openai", base_url="http://127.0.0.1:9/v1", model="m")
+    assert not _pipeline(world, tiny_models, **llm).arms.mask[vote]
+    assert _pipeline(world, tiny_models, **llm, self_consistency=3).arms.mask[vote]
 
 
 def test_run_with_a_rerank_policy_never_picks_rerank_without_a_reranker(world, tiny_models, tmp_path):
@@ -84,7 +99,7 @@ def test_run_with_a_rerank_policy_never_picks_rerank_without_a_reranker(world, t
     assert repaired and all(r["repair"]["arm"] != "rerank" for r in repaired)
     for r in repaired:
         assert "rerank" not in r["repair"]["allowed"]
-        assert r["repair"]["unavailable"] == {"rerank": f"no reranker model ({NO_RERANKER['reranker']})"}
+        assert r["repair"]["unavailable"] == {"rerank": f"no reranker model ({NO_RERANKER['reranker']})", **NO_VOTE}
     assert "arms off (the loaded models cannot run them): rerank (no reranker model" in summary(recs)
 
 
@@ -107,11 +122,11 @@ def test_a_profile_without_triples_runs_and_masks_nothing(world, tmp_path):
     from d2r_edge.runner import load_queries, process
 
     p = _pipeline(world, world["no_triples"])
-    assert p.arms.unavailable == {} and p.arms.mask.all()
+    assert p.arms.unavailable == NO_VOTE and p.arms.mask.sum() == len(ARM_NAMES) - 1
     recs = process(p, load_queries(world["queries"])[:10], tmp_path / "r.jsonl", learn=False).records
     assert all(r["error"] is None for r in recs)
     assert {r["first"]["kg"] for r in recs} == {"no_triplets"}
-    assert all(r["repair"]["unavailable"] == {} for r in recs if r["repair"])
+    assert all(r["repair"]["unavailable"] == NO_VOTE for r in recs if r["repair"])
 
 
 def test_eval_answers_every_method_without_a_reranker(world, tiny_models, tmp_path, shared_data, monkeypatch):
@@ -124,8 +139,8 @@ def test_eval_answers_every_method_without_a_reranker(world, tiny_models, tmp_pa
 
     real_availability = app.arm_availability
 
-    def without_k20(roles, absent=None):
-        a = real_availability(roles, absent)
+    def without_k20(roles, absent=None, samples=0):
+        a = real_availability(roles, absent, samples)
         mask, why = a.mask.copy(), dict(a.unavailable)
         for name in ("dense_k20", "dense_k20_refresh"):    # twins here: no refresh source in an eval
             mask[ARM_NAMES.index(name)] = False
@@ -141,7 +156,7 @@ def test_eval_answers_every_method_without_a_reranker(world, tiny_models, tmp_pa
                  "--train-limit", "10", "--test-limit", "20", "--models", str(world["no_reranker"]),
                  "--allow-random-weights", "--out", str(out), "--bootstrap", "200"]) == 0
     s = json.loads((out / "summary.json").read_text())
-    off = {"rerank", "dense_k20", "dense_k20_refresh"}
+    off = {"rerank", "dense_k20", "dense_k20_refresh", *NO_VOTE}
     assert set(s["unavailable_arms"]) == off
     for m in s["methods"]:
         recs = [json.loads(x) for x in (out / "methods" / f"{m}.jsonl").read_text().splitlines()]
@@ -170,5 +185,5 @@ def test_the_readme_profile_table_is_what_the_code_does():
     for name, spec in profiles.items():
         roles = [Role(r) for r in Role if isinstance(spec.get(r.value), str)
                  and not spec[r.value].startswith("absent:")]
-        off = sorted(arm_availability(roles).unavailable)
+        off = sorted(arm_availability(roles, samples=4).unavailable)     # the models' arms (the vote is the generator's)
         assert rows[name] == (", ".join(f"`{a}`" for a in off) or "none"), name

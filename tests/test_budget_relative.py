@@ -72,7 +72,7 @@ class _Retriever:
 class _Generator:
     name = "stub"
 
-    def generate(self, task, style, query, passages):
+    def generate(self, task, style, query, passages, sample=True):
         return Generation("some text", Label.SUPPORTS, "raw", replayed_s=FIRST_S)
 
 

@@ -78,7 +78,7 @@ class _FlakyGenerator:
     def __init__(self, inner, fail_all: bool = False):
         self.inner, self.fail_all, self.first = inner, fail_all, {}
 
-    def generate(self, task, style, query, passages):
+    def generate(self, task, style, query, passages, sample=True):
         from d2r_edge.generate.openai_compat import GeneratorError
 
         seen = self.first.setdefault(query, (style, tuple(passages)))

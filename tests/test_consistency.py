@@ -129,7 +129,7 @@ def test_the_diagnosis_carries_the_signals_into_records_stores_and_the_detector(
         name, model, base_url, temperature, max_tokens = "openai", "m", "http://x", 0.0, 256
         samples, sample_temperature, calls = 2, 0.7, 0
 
-        def generate(self, task, style, query, passages):
+        def generate(self, task, style, query, passages, sample=True):
             self.calls += 1
             return Generation("Paris", None, "raw", samples=("Paris", "Rome"))
 
@@ -156,7 +156,7 @@ def test_a_changed_prompt_template_is_another_request(tmp_path, monkeypatch):
     class LLM:
         name, model, calls = "llm", "m", 0
 
-        def generate(self, task, style, query, passages):
+        def generate(self, task, style, query, passages, sample=True):
             self.calls += 1
             return Generation("Paris", None, "raw")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -101,7 +102,7 @@ def test_empty_retrieval_is_insufficient_evidence():
 
 
 def test_arm_registry():
-    assert len(ARMS) == 14 and len({a.name for a in ARMS}) == 14
+    assert len(ARMS) == 15 and len({a.name for a in ARMS}) == 15
     assert IS_RETRIEVAL.sum() == 10          # the 8 dense/BM25 arms, second_hop, dense_k3
     combos = {(a.kind, a.top_k, a.refresh) for a in ARMS if a.kind is not None}
     assert combos == set(itertools.product([RetrieverKind.DENSE, RetrieverKind.BM25], [10, 20], [False, True])) \
@@ -118,6 +119,8 @@ def test_arm_registry():
     assert by["dense_k3"].apply(base).retrieval.top_k == 3 and by["dense_k3"].is_retrieval
     assert by["prompt_extract"].apply(base).prompt is PromptStyle.EXTRACT and not by["prompt_extract"].is_retrieval
     assert by["prompt_paraphrase"].apply(base).retrieval == base.retrieval
+    vote = by["sample_majority"].apply(base)    # the first attempt's config, answered by vote
+    assert vote.majority and replace(vote, majority=False) == base and not by["sample_majority"].is_retrieval
     hop = by["second_hop"].apply(base)         # ours: a retrieval change as data, nothing else moves
     assert hop.retrieval == base.retrieval.with_(second_hop=2) and hop.prompt is base.prompt
     assert by["second_hop"].is_retrieval and base.evidence_titles and hop.evidence_titles
@@ -125,7 +128,8 @@ def test_arm_registry():
 
 
 def test_unverified_rule():
-    assert allowed_arms(True).tolist() == [True] * 8 + [False] * 3 + [True, True, False]   # + dense_k3, prompt_extract
+    # + dense_k3, prompt_extract, sample_majority
+    assert allowed_arms(True).tolist() == [True] * 8 + [False] * 3 + [True, True, False, False]
     assert allowed_arms(False).all()
     assert allowed_arms(True, restrict_unverified=False).all()   # QA (reference HotpotQA scripts)
 

@@ -347,7 +347,7 @@ def test_replayed_generations_keep_the_generators_cost(tmp_path):
     class Slow:
         name, model = "slow", "m"
 
-        def generate(self, task, style, query, passages):
+        def generate(self, task, style, query, passages, sample=True):
             time.sleep(0.2)
             return Generation("Paris", None, '{"answer": "Paris"}')
 

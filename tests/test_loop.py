@@ -254,7 +254,7 @@ def test_generator_and_nli_read_titled_passages_unless_told_otherwise(world, tin
         def __init__(self):
             self.seen = []
 
-        def generate(self, task, style, query, passages):
+        def generate(self, task, style, query, passages, sample=True):
             self.seen.append(list(passages))
             return Generation(passages[0] if passages else "", None, "echo")
 

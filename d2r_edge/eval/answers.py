@@ -260,7 +260,7 @@ def compute_outcomes(p, text: str, every_arm: bool) -> str | None:
         if not every_arm or not p.repairs(first):
             return None
         for arm in np.flatnonzero(p.allowed(first.diagnosis)):
-            p.metered_attempt(text, ARMS[int(arm)].apply(p.default))
+            p.metered_attempt(text, ARMS[int(arm)].apply(p.default), first=first)
     except GeneratorError as exc:
         if exc.client_error:          # would meet every query: stop here
             raise

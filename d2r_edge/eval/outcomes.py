@@ -39,7 +39,7 @@ def config_key(cfg: PipelineConfig) -> str:
     r = cfg.retrieval
     return (f"{r.kind.value}|k{r.top_k}|rerank{int(r.rerank)}:{r.rerank_top_n}|{cfg.prompt.value}"
             f"|refresh{int(cfg.refresh)}|titles{int(cfg.evidence_titles)}"
-            + (f"|hop{r.second_hop}" if r.second_hop else ""))
+            + (f"|hop{r.second_hop}" if r.second_hop else "") + ("|majority" if cfg.majority else ""))
 
 
 def _label(value) -> Label | None:
@@ -246,27 +246,30 @@ class CachedGenerator:
         self.inner = inner
         self.name = getattr(inner, "name", type(inner).__name__)
         self.prompt_sensitive = getattr(inner, "prompt_sensitive", True)
-        self.identity = json.dumps({"name": self.name, "model": getattr(inner, "model", None),
-                                    "base_url": getattr(inner, "base_url", None),
-                                    "temperature": getattr(inner, "temperature", None),
-                                    "max_tokens": getattr(inner, "max_tokens", None),
-                                    # (absent when off: the answers cached before samples existed stay valid)
-                                    **({"samples": inner.samples, "sample_temperature": inner.sample_temperature}
-                                       if getattr(inner, "samples", 0) else {})}, sort_keys=True)
+        base = {"name": self.name, "model": getattr(inner, "model", None),
+                "base_url": getattr(inner, "base_url", None), "temperature": getattr(inner, "temperature", None),
+                "max_tokens": getattr(inner, "max_tokens", None)}
+        # a request that draws samples is another request than one that does not (a first attempt
+        # vs a repair's); the one without has the key it had before samples existed
+        self.identity = json.dumps(base, sort_keys=True)
+        self.sampled_identity = (json.dumps({**base, "samples": inner.samples,
+                                             "sample_temperature": inner.sample_temperature}, sort_keys=True)
+                                 if getattr(inner, "samples", 0) else self.identity)
         self.log = _RowLog(path, read_only, generation_row_ok)      # read_only: new answers for the driver to `add`
         self._cache = {row["key"]: row for row in self.log.records}
         self.calls = self.hits = 0
 
-    def key(self, task, style, query: str, passages: list[str]) -> str:
+    def key(self, task, style, query: str, passages: list[str], sample: bool = True) -> str:
         # JSON mode is read per request: a server that rejects it changes the output format
-        req = [self.identity, task.value, style.value if self.prompt_sensitive else None, query, passages,
+        req = [self.sampled_identity if sample else self.identity, task.value,
+               style.value if self.prompt_sensitive else None, query, passages,
                getattr(self.inner, "json_mode", None)]
         if self.prompt_sensitive:      # the template's text too: a changed prompt is another request
             req.append(template_sha256(task, style))
         return hashlib.sha256(json.dumps(req, ensure_ascii=False).encode()).hexdigest()
 
-    def generate(self, task, style, query: str, passages: list[str]) -> Generation:
-        key = self.key(task, style, query, passages)
+    def generate(self, task, style, query: str, passages: list[str], sample: bool = True) -> Generation:
+        key = self.key(task, style, query, passages, sample)
         row = self._cache.get(key)
         if row is not None:
             self.hits += 1
@@ -277,7 +280,7 @@ class CachedGenerator:
                               samples=_samples(row))
         self.calls += 1
         t0 = time.perf_counter()
-        gen = self.inner.generate(task, style, query, passages)
+        gen = self.inner.generate(task, style, query, passages, sample=sample)
         self.add({"key": key, "response": gen.response, "label": gen.label.value if gen.label else None,
                   "raw": gen.raw, "latency_s": time.perf_counter() - t0,
                   "logprobs": None if gen.logprobs is None else list(gen.logprobs),

@@ -28,7 +28,11 @@ class Generation:
 class Generator(Protocol):
     name: str
 
-    def generate(self, task: Task, style: PromptStyle, query: str, passages: list[str]) -> Generation:
+    def generate(self, task: Task, style: PromptStyle, query: str, passages: list[str],
+                 sample: bool = True) -> Generation:
+        """The answer to `query` from `passages`. `sample`: draw the self-consistency samples the
+        generator is configured for (the pipeline asks for them on a query's first attempt only,
+        the one the detector gates; a deterministic generator ignores it)."""
         ...
 
 

@@ -32,7 +32,8 @@ class Extractive:
         self.nli, self.reranker, self.embedder = nli, reranker, embedder
         self.labels = [Entailment(n.lower()) for n in nli.labels]
 
-    def generate(self, task: Task, style: PromptStyle, query: str, passages: list[str]) -> Generation:
+    def generate(self, task: Task, style: PromptStyle, query: str, passages: list[str],
+                 sample: bool = True) -> Generation:
         if task.fact_verification:
             return self._verify(query, passages)
         return self._answer(query, passages)

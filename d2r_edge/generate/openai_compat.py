@@ -284,13 +284,15 @@ class OpenAICompatible:
         return ChatResult(text, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
                           time.perf_counter() - t0, token_logprobs(body["choices"][0]))
 
-    def generate(self, task: Task, style: PromptStyle, query: str, passages: list[str]) -> Generation:
+    def generate(self, task: Task, style: PromptStyle, query: str, passages: list[str],
+                 sample: bool = True) -> Generation:
+        """One greedy answer; with `sample` and `samples` > 0, that many more at `sample_temperature`."""
         prompt = build_prompt(task, style, query, passages)
         out = self.complete([{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}])
         gen = parse_output(task, out.text)
         answer = gen.label.value if task.fact_verification and gen.label is not None else gen.response
         gen = replace(gen, logprobs=answer_logprobs(out.tokens, answer))
-        if self.samples:
+        if self.samples and sample:
             gen = replace(gen, samples=tuple(self._sample(task, prompt, i) for i in range(self.samples)))
         return gen
 
