@@ -179,6 +179,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_distractors(args: argparse.Namespace) -> int:
+    from d2r_edge.eval.datasets import distractors, write_docs
+
+    docs = distractors(Path(args.data))
+    write_docs(docs, Path(args.out))
+    log.info("wrote %d distractor paragraphs to %s", len(docs), args.out)
+    return 0
+
+
 def cmd_eval_answers(args: argparse.Namespace) -> int:
     from d2r_edge.app import RunSettings
     from d2r_edge.detector import Gate
@@ -519,6 +528,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="also write the markdown table here")
     _model_args(p)
     p.set_defaults(func=cmd_eval)
+
+    p = ev.add_parser("distractors", help="HotpotQA + MuSiQue dev paragraphs as off-topic KB documents "
+                      "(a FEVER evaluation's --extra-docs)")
+    p.add_argument("--data", default="../shared/data")
+    p.add_argument("--out", required=True, help="JSONL of id, title, text")
+    p.set_defaults(func=cmd_eval_distractors)
 
     p = ev.add_parser("answers", help="naive RAG vs baselines vs D2R policies vs the oracle, same test queries")
     p.add_argument("--task", required=True, choices=["fever", "qa"])

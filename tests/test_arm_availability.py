@@ -185,5 +185,5 @@ def test_the_readme_profile_table_is_what_the_code_does():
     for name, spec in profiles.items():
         roles = [Role(r) for r in Role if isinstance(spec.get(r.value), str)
                  and not spec[r.value].startswith("absent:")]
-        off = sorted(arm_availability(roles, samples=4).unavailable)     # the models' arms (the vote is the generator's)
+        off = sorted(arm_availability(roles, samples=4).unavailable)     # the models' (the vote is the generator's)
         assert rows[name] == (", ".join(f"`{a}`" for a in off) or "none"), name

@@ -286,3 +286,19 @@ def test_refresh_is_append_only_and_a_run_never_writes_the_kb(tmp_path, embedder
     q = "Zorblatt Festival number 2 Quenwick"
     assert (Retriever(done, embedder).retrieve(q, RetrievalConfig(kind="bm25"))[0].doc_id
             == Retriever(again, embedder).retrieve(q, RetrievalConfig(kind="bm25"))[0].doc_id == "fresh-2")
+
+
+def test_the_distractor_paragraphs_are_distinct_and_reproducible(shared_data, tmp_path):
+    """`d2r-edge eval distractors`: the FEVER evaluations' --extra-docs, written the same way each time."""
+    import json
+
+    from d2r_edge.cli import main
+    from d2r_edge.eval.datasets import distractors
+
+    docs = distractors(shared_data)
+    assert len({d.text for d in docs}) == len(docs) > 1000
+    assert [d.id for d in docs] == [f"qa:{i}" for i in range(len(docs))] and all(d.text.strip() for d in docs)
+    out = tmp_path / "d.jsonl"
+    assert main(["eval", "distractors", "--data", str(shared_data), "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert rows == [{"id": d.id, "title": d.title, "text": d.text} for d in docs]

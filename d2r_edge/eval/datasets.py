@@ -85,6 +85,17 @@ def musique_paragraphs(path: Path, limit: int | None = None) -> list[Document]:
     return [d for d in docs.values() if d.text.strip()]
 
 
+def distractors(data_dir: Path) -> list[Document]:
+    """Off-topic documents for a FEVER KB: every HotpotQA (distractor setting) and MuSiQue dev
+    paragraph, one per distinct text, ids `qa:N` in file order (the LLM-setting evaluations'
+    `--extra-docs`; 4,780 paragraphs on the shared data)."""
+    seen: dict[str, Document] = {}
+    hotpot = paragraphs(data_dir / "hotpotqa" / "dev.jsonl")[0]
+    for d in [*hotpot, *musique_paragraphs(data_dir / "musique" / "dev.jsonl")]:
+        seen.setdefault(d.text, d)
+    return [Document(f"qa:{i}", d.title, d.text) for i, d in enumerate(seen.values())]
+
+
 def write_docs(docs: list[Document], path: Path) -> Path:
     with open(path, "w", encoding="utf-8") as fh:
         for d in docs:
