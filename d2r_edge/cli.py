@@ -209,7 +209,7 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
                       gate=Gate(args.gate), response_nli=ResponseNLI.ALL)   # detection reads every pair
     s = EvalSettings(task=Task(args.task), train=tuple(map(Path, args.train)), test=tuple(map(Path, args.test)),
                      models=Path(args.models), out=out, train_limit=args.train_limit, test_limit=args.test_limit,
-                     test_offset=args.test_offset,
+                     train_limit_per_file=args.train_limit_per_file, test_offset=args.test_offset,
                      split=Split(args.split), methods=methods, extra_docs=tuple(map(Path, args.extra_docs)),
                      run=run, epochs=args.epochs, bootstrap_resamples=args.bootstrap,
                      generation_cache=Path(args.generation_cache) if args.generation_cache else None)
@@ -542,7 +542,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--test", action="append", required=True, metavar="FILE",
                    help="test queries; a file also given as --train continues after the training slice")
     p.add_argument("--out", required=True, help="report, records, KB and caches; rerun to resume")
-    p.add_argument("--train-limit", type=int, default=None)
+    p.add_argument("--train-limit", type=int, default=None, help="training queries in all (files in order)")
+    p.add_argument("--train-limit-per-file", type=int, default=None, metavar="N",
+                   help="at most N training queries from each --train file (e.g. HotpotQA distractor and "
+                        "fullwiki questions on both sides); the test slice continues after each")
     p.add_argument("--test-limit", type=int, default=None)
     p.add_argument("--test-offset", type=int, default=0,
                    help="skip the first N test queries (a later, unused slice; their documents stay in the KB)")

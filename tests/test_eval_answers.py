@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -406,6 +407,46 @@ def test_test_offset_takes_a_later_disjoint_slice(tmp_path):
         ids(-1, 4)
     with pytest.raises(InputError, match="--test-offset 9 leaves no test query"):
         ids(9, 4)
+
+
+def test_a_per_file_training_limit_takes_each_file_s_head(tmp_path):
+    """HotpotQA's distractor and fullwiki questions on both sides: N training queries from each file,
+    the test slice continues after each file's own N; in the fingerprint only when given."""
+    from d2r_edge.app import RunSettings
+    from d2r_edge.eval.answers import EvalSettings, fingerprint, load_splits
+    from d2r_edge.eval.split import Split
+    from d2r_edge.tasks import Task
+
+    files = []
+    for name in ("a", "b"):
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text("".join(json.dumps({"id": f"{name}{i}", "claim": f"Claim {name} {i}.", "label": "SUPPORTS",
+                                         "derived_evidence_sentences": [[f"P_{name}{i}", 0, "x"]]}) + "\n"
+                             for i in range(5)))
+        files.append(f)
+
+    def settings(**kw):
+        return EvalSettings(task=Task.FEVER, train=tuple(files), test=tuple(files), models=tmp_path,
+                            out=tmp_path / "o", split=Split.ALL,
+                            run=RunSettings(kb=tmp_path, models=tmp_path, task=Task.FEVER), **kw)
+
+    train, test = load_splits(settings(train_limit_per_file=2))
+    assert [q.id for qs in train for q in qs.queries] == ["a0", "a1", "b0", "b1"]
+    assert [q.id for qs in test for q in qs.queries] == ["a2", "a3", "a4", "b2", "b3", "b4"]
+    train, _ = load_splits(settings(train_limit=2))            # in all: the first file's head only
+    assert [q.id for qs in train for q in qs.queries] == ["a0", "a1"]
+    assert fingerprint(settings(train_limit_per_file=2), "k")["train_limit_per_file"] == 2
+    assert "train_limit_per_file" not in fingerprint(settings(train_limit=2), "k")
+    # the samples are part of every stored first attempt: another --self-consistency is another evaluation
+    assert "self_consistency" not in fingerprint(settings(train_limit=2), "k")
+    sampled = replace(settings(train_limit=2), run=RunSettings(
+        kb=tmp_path, models=tmp_path, task=Task.FEVER, generator="openai", base_url="http://127.0.0.1:9/v1",
+        model="m", self_consistency=3, sample_temperature=0.7))
+    assert fingerprint(sampled, "k")["self_consistency"] == [3, 0.7]
+    with pytest.raises(InputError, match="not both"):
+        settings(train_limit=2, train_limit_per_file=2)
+    with pytest.raises(InputError, match="--train-limit-per-file must be"):
+        settings(train_limit_per_file=0)
 
 
 def test_eval_on_ray_gives_the_local_records(tiny_models, fever_file, tmp_path):

@@ -77,7 +77,10 @@ def _load(paths, split: Split, limit: int | None, skip: frozenset[str], task: Ta
 
 def load_splits(s: EvalSettings) -> tuple[list[QuerySet], list[QuerySet]]:
     """Train and test query sets, disjoint: a file given for both skips the training ids in test."""
-    train = _load(s.train, s.split, s.train_limit, frozenset(), s.task)
+    if s.train_limit_per_file is not None:     # each file its own slice (files of different kinds)
+        train = [qs for path in s.train for qs in _load((path,), s.split, s.train_limit_per_file, frozenset(), s.task)]
+    else:
+        train = _load(s.train, s.split, s.train_limit, frozenset(), s.task)
     train_ids = frozenset(q.id for qs in train for q in qs.queries)
     limit = None if s.test_limit is None else s.test_limit + s.test_offset
     test = _load(s.test, s.split, limit, train_ids, s.task)
@@ -180,6 +183,10 @@ def fingerprint(s: EvalSettings, kb_input_sha256: str) -> dict:
                       + ([run.budget.latency_x] if run.budget.relative else []), "alpha": run.alpha, "seed": run.seed,
             "query_dim": run.query_dim, "epochs": s.epochs, "split": s.split.value,
             "train": [str(p) for p in s.train], "train_limit": s.train_limit,
+            # (absent when unset or off: older folders keep their fingerprint)
+            **({"train_limit_per_file": s.train_limit_per_file} if s.train_limit_per_file is not None else {}),
+            **({"self_consistency": [run.self_consistency, run.sample_temperature]}
+               if getattr(run, "self_consistency", 0) else {}),
             "test": [str(p) for p in s.test], "test_offset": s.test_offset,
             "evidence_titles": run.evidence_titles, "arms": list(ARM_NAMES), "gate": run.gate.value,
             "extra_docs": [str(p) for p in s.extra_docs], "kb_input_sha256": kb_input_sha256,

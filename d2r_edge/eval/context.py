@@ -77,6 +77,7 @@ class EvalSettings:
     models: Path
     out: Path
     train_limit: int | None = None
+    train_limit_per_file: int | None = None   # at most N from each --train file (instead of N in all)
     test_limit: int | None = None
     test_offset: int = 0                   # skip the first N test queries (their documents stay in the KB)
     split: Split = Split.HELDOUT
@@ -90,7 +91,10 @@ class EvalSettings:
     def __post_init__(self) -> None:
         if not self.train or not self.test:
             raise InputError("eval answers needs at least one --train and one --test file")
-        for name in ("train_limit", "test_limit"):
+        if self.train_limit is not None and self.train_limit_per_file is not None:
+            raise InputError("give --train-limit (queries in all) or --train-limit-per-file (from each file), "
+                             "not both")
+        for name in ("train_limit", "train_limit_per_file", "test_limit"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InputError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
