@@ -179,6 +179,8 @@ class Pipeline:
         gen = self.generator.generate(self.task, cfg.prompt, query, texts,
                                       sample=cfg == self.effective(self.default))
         t["generate_s"] = time.perf_counter() - t0
+        if gen.samples:            # the self-consistency signal's share of generate_s (replayed or live)
+            t["samples_s"] = gen.samples_s
         t0 = time.perf_counter()
         extra = {"samples": gen.samples} if gen.samples else {}      # (stand-in diagnosers take none)
         diag = self.diagnoser.diagnose(query, texts, gen.response, gen.label, self.task.fact_verification, **extra)

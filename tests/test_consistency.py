@@ -81,7 +81,7 @@ def test_the_client_draws_samples_at_a_temperature_with_seeds():
         srv.replies += [(200, _reply('{"answer": "Paris"}')), (200, _reply('{"answer": "London"}')),
                         (200, _reply('{"answer": "Paris"}'))]
         g = client.generate(Task.QA, PromptStyle.SIMPLE, "Capital of France?", ["p"])
-        assert g.response == "Paris" and g.samples == ("London", "Paris")
+        assert g.response == "Paris" and g.samples == ("London", "Paris") and g.samples_s > 0
         greedy, *drawn = srv.seen
         assert greedy["temperature"] == 0.0 and "seed" not in greedy and greedy["logprobs"] is True
         assert [d["temperature"] for d in drawn] == [0.9, 0.9] and [d["seed"] for d in drawn] == [0, 1]
@@ -94,6 +94,9 @@ def test_the_client_draws_samples_at_a_temperature_with_seeds():
         plain = OpenAICompatible(srv.url, "m", max_retries=0)
         srv.replies.append((200, _reply('{"answer": "Paris"}')))
         assert plain.generate(Task.QA, PromptStyle.SIMPLE, "q", ["p"]).samples is None
+        srv.replies.append((200, _reply('{"answer": "Paris"}')))          # a repair's request: no samples
+        unsampled = client.generate(Task.QA, PromptStyle.SIMPLE, "q", ["p"], sample=False)
+        assert unsampled.samples is None and unsampled.samples_s == 0.0 and not srv.replies
 
 
 class _KG:

@@ -76,7 +76,8 @@ class Sampler:
     def generate(self, task, style, query, passages, sample=True):
         self.requests.append((style, sample))
         return Generation("Paris", None, '{"answer": "Paris"}', logprobs=(-0.1,),
-                          samples=("Rome", "Rome", "Paris", "Rome") if sample else None)
+                          samples=("Rome", "Rome", "Paris", "Rome") if sample else None,
+                          samples_s=1.25 if sample else 0.0)
 
 
 class Diagnoser:
@@ -114,6 +115,7 @@ def test_the_vote_repairs_without_generating_again():
     # the repaired answer is diagnosed with the same samples (its own agreement), and its latency is the vote's
     assert p.diagnoser.seen[-1] == ("Rome", ("Rome", "Rome", "Paris", "Rome"))
     assert rec["repair"]["latency_s"] < 1.0
+    assert rec["first"]["timings_s"]["samples_s"] == 1.25 and "samples_s" not in rec["final"]["timings_s"]
 
 
 def test_a_repair_that_generates_draws_no_samples():
@@ -162,6 +164,8 @@ def test_the_cache_keys_a_sampled_request_apart_from_a_plain_one(tmp_path):
     plain = cache.generate(Task.QA, PromptStyle.SIMPLE, "q", ["p"], sample=False)
     assert sampled.samples and plain.samples is None and inner.requests == [(PromptStyle.SIMPLE, True),
                                                                              (PromptStyle.SIMPLE, False)]
+    replayed = CachedGenerator(inner, tmp_path / "g.jsonl").generate(Task.QA, PromptStyle.SIMPLE, "q", ["p"])
+    assert replayed.samples == sampled.samples and replayed.samples_s == 1.25     # the signal's cost kept
     assert cache.key(Task.QA, PromptStyle.SIMPLE, "q", ["p"]) != cache.key(Task.QA, PromptStyle.SIMPLE, "q", ["p"],
                                                                              sample=False)
     # a plain request of a sampling generator is the request a generator without samples makes

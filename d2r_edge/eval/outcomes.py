@@ -111,7 +111,7 @@ def attempt_row_ok(chunks: list[dict]):
 def generation_row_ok(row: dict) -> bool:
     """A validator of stored generator answers: the row replays as a Generation."""
     _label(row["label"]), _logprobs(row), _samples(row)
-    float(row.get("latency_s") or 0.0)
+    float(row.get("latency_s") or 0.0), float(row.get("samples_s") or 0.0)
     return isinstance(row["key"], str) and isinstance(row["response"], str) and isinstance(row["raw"], str)
 
 
@@ -277,14 +277,14 @@ class CachedGenerator:
             # metered cost stays the generator's cost (rows written before this have none)
             return Generation(row["response"], _label(row["label"]), row["raw"],
                               replayed_s=float(row.get("latency_s") or 0.0), logprobs=_logprobs(row),
-                              samples=_samples(row))
+                              samples=_samples(row), samples_s=float(row.get("samples_s") or 0.0))
         self.calls += 1
         t0 = time.perf_counter()
         gen = self.inner.generate(task, style, query, passages, sample=sample)
         self.add({"key": key, "response": gen.response, "label": gen.label.value if gen.label else None,
                   "raw": gen.raw, "latency_s": time.perf_counter() - t0,
                   "logprobs": None if gen.logprobs is None else list(gen.logprobs),
-                  **({"samples": list(gen.samples)} if gen.samples is not None else {})})
+                  **({"samples": list(gen.samples), "samples_s": gen.samples_s} if gen.samples is not None else {})})
         return gen
 
     def add(self, row: dict) -> None:

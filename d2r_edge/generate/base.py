@@ -23,6 +23,7 @@ class Generation:
     # self-consistency: the answers of N more samples of the same prompt at a temperature > 0
     # (FEVER: labels, QA: answers; d2r_edge.consistency); None: not asked for
     samples: tuple[str, ...] | None = None
+    samples_s: float = 0.0     # of the generation's time, what drawing the samples took (the signal's cost)
 
 
 class Generator(Protocol):

@@ -293,7 +293,9 @@ class OpenAICompatible:
         answer = gen.label.value if task.fact_verification and gen.label is not None else gen.response
         gen = replace(gen, logprobs=answer_logprobs(out.tokens, answer))
         if self.samples and sample:
-            gen = replace(gen, samples=tuple(self._sample(task, prompt, i) for i in range(self.samples)))
+            t0 = time.perf_counter()
+            drawn = tuple(self._sample(task, prompt, i) for i in range(self.samples))
+            gen = replace(gen, samples=drawn, samples_s=time.perf_counter() - t0)
         return gen
 
     def _sample(self, task: Task, prompt, i: int) -> str:
