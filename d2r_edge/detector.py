@@ -90,6 +90,19 @@ def feature_names(fact_verification: bool) -> tuple[str, ...]:
     return _COMMON + extra
 
 
+def feature_groups(fact_verification: bool) -> dict[str, tuple[str, ...]]:
+    """The features by the signal they come from (a partition of feature_names): what the ablation
+    in d2r_edge.eval.ablation takes away or keeps alone, and what each costs to compute."""
+    names = feature_names(fact_verification)
+    groups = {"nli_query": tuple(n for n in names if n.startswith("q_")),
+              "grounding": tuple(n for n in names if n.startswith(("r_", "kg_", "qa_"))),
+              "retrieval": ("ret_top1", "ret_gap", "n_passages"),
+              "log_probs": tuple(n for n in names if n.startswith("gen_")),
+              "self_consistency": tuple(n for n in names if n.startswith("sc_")),
+              "answer": tuple(n for n in names if n == "answer_len_log" or n.startswith("label_"))}
+    return groups
+
+
 def _nli_stats(probs: list[dict], prefix: str) -> dict[str, float]:
     """Per-passage NLI probabilities summarized; the share is of passages bearing on the query (q:
     not neutral) or entailing the response (r)."""

@@ -158,7 +158,7 @@ def test_a_generator_failure_leaves_its_query_out_and_a_rerun_retries_it(tmp_pat
     down = {train_claim, test_claim}
     real_generate = Extractive.generate
 
-    def flaky(self, task, style, query, passages):
+    def flaky(self, task, style, query, passages, sample=True):
         if query in down:
             raise GeneratorError("generator http://127.0.0.1:1/v1 failed after 4 attempt(s): TimeoutError",
                                  timed_out=True, attempts=4)

@@ -434,3 +434,37 @@ def test_training_queries_get_out_of_fold_p_wrong_while_the_policy_learns():
     assert learned["p_wrong"] == 0.2 and learned["repair"] is None        # the gate reads it too
     frozen = p.run("wrong clean", learn=False)                             # at test time: the fitted model
     assert frozen["p_wrong"] == pytest.approx(in_sample) and frozen["repair"] is not None
+
+
+def test_the_ablation_finds_the_signal_that_carries_detection(tmp_path):
+    """Wrong answers here differ only in their log-probabilities: the log-prob group alone detects them,
+    the detector without it does not; a group missing everywhere is skipped, not faked; QA has two labels."""
+    from d2r_edge.detector import feature_groups, feature_names
+    from d2r_edge.eval.ablation import ablation, variants
+    from d2r_edge.eval.report import _ablation_lines
+
+    class Ctx(_FakeCtx):
+        def score(self, q, answer):       # a third of the wrong answers are near-misses (F1 0.6)
+            if not self._wrong[q.id]:
+                return 1.0, 1.0
+            return (0.0, 0.6) if int(q.id[1:]) % 3 == 0 else (0.0, 0.0)
+
+    ctx = Ctx(tmp_path, n_train=90, n_test=120)
+    for i, q in enumerate(ctx.train + ctx.test):
+        ctx.first(q).timings_s.update(diagnose_s=0.02, generate_s=2.0 + (i % 2), retrieve_s=0.01)
+    ab = ablation(ctx, cv_seeds=1)
+    assert set(ab["labels"]) == {"em_wrong", "f1_below_half"}
+    em, f1 = ab["labels"]["em_wrong"], ab["labels"]["f1_below_half"]
+    assert f1["n_test_wrong"] < em["n_test_wrong"] and em["n_test"] == 120 and em["n_train"] == 90
+    rows = {r["variant"]: r for r in em["rows"]}
+    assert list(rows)[:2] == ["alg1_nli", "all"] and len(rows) == 1 + len(variants(feature_groups(False)))
+    assert rows["only log_probs"]["auroc"] > 0.65 and rows["without log_probs"]["auroc"] < 0.6
+    lo, hi = rows["only log_probs"]["auroc_ci95"]
+    assert lo < rows["only log_probs"]["auroc"] < hi and rows["only log_probs"]["train_cv_auroc"] > 0.6
+    assert "missing on every training query" in rows["only self_consistency"]["skipped"]
+    assert sorted(n for g in ab["groups"].values() for n in g) == sorted(feature_names(False))
+    costs = ab["costs_s"]
+    assert costs["answer with log-probs (log_probs, answer)"]["median"] == pytest.approx(2.5)
+    assert costs["samples (self_consistency)"] is None                # no samples drawn: no cost claimed
+    text = "\n".join(_ablation_lines(ab))
+    assert "Label `f1_below_half`" in text and "| only log_probs |" in text

@@ -157,31 +157,42 @@ def train_cross_validation(ctx, folds: int = 5, seeds: int = 5) -> dict | None:
     detector's out-of-fold P(wrong) (refitted on the other folds, each fit choosing its own penalty and
     threshold inside its folds), stratified, over `seeds` fold seeds: the mean and spread of AUROC/AUPRC.
     What a choice between the gates may read; None when the training queries are too few to split."""
-    from d2r_edge.detector import Detector, feature_matrix, feature_names, stratified_folds
+    from d2r_edge.detector import feature_matrix, feature_names
 
     fv = ctx.settings.task.fact_verification
     firsts, wrong = _first_attempts(ctx, ctx.train)
     if len(firsts) < 5 * folds or min(wrong.sum(), (~wrong).sum()) < 2 * folds:
         return None
-    x = feature_matrix(firsts, fv)
+    cv = cross_validated(feature_matrix(firsts, fv), wrong, feature_names(fv), ctx.settings.task.value, folds, seeds)
+    if cv is None:
+        return None
+    alg1 = [alg1_score(a.diagnosis) for a in firsts]
+    return {"n": int(len(wrong)), "n_wrong": int(wrong.sum()), "folds": folds, "fold_seeds": seeds,
+            "stratified": True, "alg1_nli_auroc": auroc(alg1, wrong), "alg1_nli_auprc": auprc(alg1, wrong),
+            **{f"calibrated_{k}": v for k, v in cv.items()}}
+
+
+def cross_validated(x: np.ndarray, wrong: np.ndarray, names, task: str, folds: int = 5, seeds: int = 5) -> dict | None:
+    """A detector refitted on the other folds scores each held-out fold (each fit choosing its own penalty
+    and threshold inside its folds), stratified, over `seeds` fold seeds: the mean and sd of the
+    out-of-fold AUROC / AUPRC. None when a fold cannot be fitted."""
+    from d2r_edge.detector import Detector, stratified_folds
+
     rocs, prcs = [], []
     for seed in range(seeds):
         fold = stratified_folds(wrong, folds, seed)
-        out = np.full(len(firsts), np.nan)
+        out = np.full(len(wrong), np.nan)
         for k in range(folds):
             held = fold == k
             try:
-                det = Detector.fit(x[~held], wrong[~held], feature_names(fv), ctx.settings.task.value)
+                det = Detector.fit(x[~held], wrong[~held], names, task)
             except ConfigError:
                 return None
             out[held] = det.p_wrong_many(x[held])
         rocs.append(auroc(out, wrong))
         prcs.append(auprc(out, wrong))
-    alg1 = [alg1_score(a.diagnosis) for a in firsts]
-    return {"n": int(len(wrong)), "n_wrong": int(wrong.sum()), "folds": folds, "fold_seeds": seeds,
-            "stratified": True, "alg1_nli_auroc": auroc(alg1, wrong), "alg1_nli_auprc": auprc(alg1, wrong),
-            "calibrated_auroc": float(np.mean(rocs)), "calibrated_auroc_sd": float(np.std(rocs)),
-            "calibrated_auprc": float(np.mean(prcs)), "calibrated_auprc_sd": float(np.std(prcs))}
+    return {"auroc": float(np.mean(rocs)), "auroc_sd": float(np.std(rocs)),
+            "auprc": float(np.mean(prcs)), "auprc_sd": float(np.std(prcs))}
 
 
 def _rows(ctx, queries) -> list[dict]:

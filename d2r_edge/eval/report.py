@@ -153,8 +153,14 @@ def _detection(ctx: Context) -> dict:
     p = ctx.pipeline
     used = "calibrated" if p.gate is Gate.CALIBRATED else "alg1_nli"
     gate = {"name": p.gate.value, "detector_threshold": p.detector.threshold if p.detector else None}
+    from d2r_edge.eval.ablation import ablation
+
+    cv = train_cross_validation(ctx)
+    if cv is not None and cv["calibrated_auroc"] is not None and cv["alg1_nli_auroc"] is not None:
+        # the per-task gate choice the training queries support (never the test slice)
+        cv["gate_by_training_cv"] = "calibrated" if cv["calibrated_auroc"] > cv["alg1_nli_auroc"] else "paper"
     return {"gate": gate, "detection": next(r for r in rows if r["score"] == used), "detection_scores": rows,
-            "detection_train_cv": train_cross_validation(ctx)}
+            "detection_train_cv": cv, "detection_ablation": ablation(ctx)}
 
 
 def summarize(ctx: Context, records: dict[str, list[dict]], extra: dict) -> dict:
@@ -185,6 +191,30 @@ def _file_cell(row: dict) -> str:
         return "all"
     name = Path(row["file"]).name
     return name if row.get("file_in_training") else f"{name} (no training queries from it)"
+
+
+def _ablation_lines(ab: dict | None) -> list[str]:
+    """Markdown of eval.ablation's tables: per label, each signal group alone and left out; the costs."""
+    if not ab:
+        return []
+    lines = ["", "## Which signal carries the detection (test queries; detectors fitted on the training queries)"]
+    for label, t in ab["labels"].items():
+        lines += ["", f"Label `{label}`: {t['n_test_wrong']} of {t['n_test']} test first answers wrong "
+                      f"({t['n_train_wrong']} of {t['n_train']} training).", ""]
+        lines += _table(["detector", "features", "AUROC [95% CI]", "AUPRC [95% CI]", "training CV AUROC (+- sd)"],
+                        [[r["variant"], _num(r.get("features"), "d"),
+                          f"{_num(r.get('auroc'))} {_ci(r.get('auroc_ci95'))}" if "skipped" not in r else "-",
+                          f"{_num(r.get('auprc'))} {_ci(r.get('auprc_ci95'))}" if "skipped" not in r else "-",
+                          (r.get("skipped") or "")[:80] if "skipped" in r else
+                          (f"{_num(r.get('train_auroc'))} (its AUROC there)" if "train_auroc" in r else
+                           f"{_num(r.get('train_cv_auroc'))} +- {_num(r.get('train_cv_auroc_sd'))}")]
+                         for r in t["rows"]])
+    costs = ab.get("costs_s") or {}
+    lines += ["", f"Training CV: stratified 5-fold over {ab.get('cv_fold_seeds')} fold seeds, training queries only. "
+                  "Cost per query of what each group needs (seconds over every first attempt):", ""]
+    lines += _table(["signal", "median s", "p90 s"],
+                    [[k, _num((v or {}).get("median")), _num((v or {}).get("p90"))] for k, v in costs.items()])
+    return lines
 
 
 def _diff_cell(row: dict) -> str:
@@ -336,7 +366,10 @@ def markdown(summary: dict) -> str:
             lines += ["", f"On the {cv['n']} training queries ({cv['n_wrong']} wrong first answers; stratified "
                           f"{cv['folds']}-fold cross-validation over {cv.get('fold_seeds', 1)} fold seeds for the "
                           f"detector, never the test slice): AUROC `alg1_nli` {_num(cv['alg1_nli_auroc'], '.3f')}, "
-                          f"`calibrated` {_num(cv['calibrated_auroc'], '.3f')}{spread} (mean +- sd over the seeds)."]
+                          f"`calibrated` {_num(cv['calibrated_auroc'], '.3f')}{spread} (mean +- sd over the seeds)."
+                          + (f" The gate these training figures choose: `{cv['gate_by_training_cv']}`."
+                             if cv.get("gate_by_training_cv") else "")]
+    lines += _ablation_lines(summary.get("detection_ablation"))
     d = summary["diagnosis"]
     lines += ["", "## Table 4: diagnosis", ""]
     lines += _table(["first-pass failure", "queries", "share", "first answer right"],

@@ -1,0 +1,130 @@
+"""Which signal carries the failure detection, against which label, at what cost per query?
+
+For the test queries' first answers (the generator's, before the UNVERIFIED gate), a
+detector (d2r_edge.detector: logistic, penalty and threshold chosen out of fold) is
+fitted on the training queries' first answers with the features of
+
+- every signal group ("all", what `--gate calibrated` uses),
+- one group alone ("only nli_query", ...),
+- every group but one ("without log_probs", ...),
+
+(groups: d2r_edge.detector.feature_groups) and scored on the test queries with a 95%
+bootstrap interval, beside its own stratified cross-validation on the training queries
+(several fold seeds): the figure a choice may read. Alg. 1's score is the first row.
+
+Labels: FEVER, the generator's label is wrong; QA, the answer is not an exact match
+(`em_wrong`, which counts near-misses as wrong) and its token F1 is below 0.5
+(`f1_below_half`). Each label gets its own fits.
+
+Cost per query (seconds, from the first attempts' recorded stage times): the NLI pairs
+behind the NLI and grounding groups (`diagnose_s`, which for QA also clusters the
+samples), the samples behind self-consistency (`samples_s`), the answer itself
+(`generate_s` without the samples; its log-probabilities come with it), retrieval.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from d2r_edge.errors import ConfigError
+from d2r_edge.eval.detection import alg1_score, auprc, auroc, bootstrap, cross_validated
+
+log = logging.getLogger(__name__)
+
+CV_SEEDS = 3            # fold seeds per variant's training cross-validation (5 folds each)
+
+
+def labels(ctx, queries, firsts) -> dict[str, np.ndarray]:
+    """What "the first answer is wrong" means, per name (module docstring)."""
+    from d2r_edge.detector import first_answer
+
+    fv = ctx.settings.task.fact_verification
+    scored = [ctx.score(q, first_answer(fv, a)) for q, a in zip(queries, firsts)]
+    if fv:
+        return {"label_wrong": np.array([em < 1.0 for em, _ in scored], dtype=bool)}
+    return {"em_wrong": np.array([em < 1.0 for em, _ in scored], dtype=bool),
+            "f1_below_half": np.array([f1 < 0.5 for _, f1 in scored], dtype=bool)}
+
+
+def variants(groups: dict[str, tuple[str, ...]]) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, feature names): all, then each group alone, then each group left out."""
+    every = tuple(n for names in groups.values() for n in names)
+    return ([("all", every)] + [(f"only {g}", names) for g, names in groups.items()]
+            + [(f"without {g}", tuple(n for n in every if n not in names)) for g, names in groups.items()])
+
+
+def _row(name: str, n_features: int | None, scores, wrong, train_cv: dict | None) -> dict:
+    return {"variant": name, "features": n_features, "auroc": auroc(scores, wrong), "auprc": auprc(scores, wrong),
+            **bootstrap(scores, wrong),
+            "train_cv_auroc": None if train_cv is None else train_cv["auroc"],
+            "train_cv_auroc_sd": None if train_cv is None else train_cv["auroc_sd"]}
+
+
+def ablation_rows(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
+                  names: tuple[str, ...], groups: dict[str, tuple[str, ...]], task: str,
+                  cv_seeds: int = CV_SEEDS) -> list[dict]:
+    """One row per variant (module docstring); a variant whose features are missing on every training
+    query, or that cannot be fitted, is a row with `skipped` saying why."""
+    from d2r_edge.detector import Detector
+
+    rows = []
+    for name, keep in variants(groups):
+        cols = [names.index(n) for n in keep]
+        xs_train, xs_test = x_train[:, cols], x_test[:, cols]
+        if not keep or np.isnan(xs_train).all():
+            rows.append({"variant": name, "features": len(keep), "skipped": "its signals are missing on every "
+                                                                            "training query"})
+            continue
+        try:
+            det = Detector.fit(xs_train, y_train, keep, task)
+        except ConfigError as exc:
+            rows.append({"variant": name, "features": len(keep), "skipped": str(exc)})
+            continue
+        cv = cross_validated(xs_train, y_train, keep, task, seeds=cv_seeds)
+        rows.append(_row(name, len(keep), det.p_wrong_many(xs_test), y_test, cv))
+    return rows
+
+
+def signal_costs(firsts) -> dict[str, dict[str, float]]:
+    """Median and p90 seconds per query of what each signal group needs (module docstring)."""
+    def stats(values):
+        v = np.asarray(values, dtype=np.float64)
+        return {"median": float(np.median(v)), "p90": float(np.percentile(v, 90))} if len(v) else None
+
+    t = [a.timings_s for a in firsts]
+    sampled = [x for x in t if "samples_s" in x]
+    return {"nli_pairs (nli_query, grounding)": stats([x.get("diagnose_s", 0.0) for x in t]),
+            "samples (self_consistency)": stats([x["samples_s"] for x in sampled]),
+            "answer with log-probs (log_probs, answer)": stats([x.get("generate_s", 0.0) - x.get("samples_s", 0.0)
+                                                               for x in t]),
+            "retrieval (retrieval)": stats([x.get("retrieve_s", 0.0) + x.get("embed_query_s", 0.0) for x in t])}
+
+
+def ablation(ctx, cv_seeds: int = CV_SEEDS) -> dict | None:
+    """The tables of the module docstring over ctx's training and test queries; None when the
+    training queries cannot fit a detector for any label."""
+    from d2r_edge.detector import feature_groups, feature_matrix, feature_names
+
+    fv = ctx.settings.task.fact_verification
+    train_firsts = [ctx.first(q) for q in ctx.train]
+    test_firsts = [ctx.first(q) for q in ctx.test]
+    if not train_firsts or not test_firsts:
+        return None
+    names, groups = feature_names(fv), feature_groups(fv)
+    x_train, x_test = feature_matrix(train_firsts, fv), feature_matrix(test_firsts, fv)
+    y_train, y_test = labels(ctx, ctx.train, train_firsts), labels(ctx, ctx.test, test_firsts)
+    alg1_train = [alg1_score(a.diagnosis) for a in train_firsts]
+    alg1_test = [alg1_score(a.diagnosis) for a in test_firsts]
+    out = {"groups": {g: list(v) for g, v in groups.items()}, "labels": {},
+           "costs_s": signal_costs(train_firsts + test_firsts), "cv_fold_seeds": cv_seeds}
+    for label in y_train:
+        yt, ye = y_train[label], y_test[label]
+        alg1 = _row("alg1_nli", None, alg1_test, ye, None)
+        alg1["train_auroc"] = auroc(alg1_train, yt)
+        rows = [alg1, *ablation_rows(x_train, yt, x_test, ye, names, groups, ctx.settings.task.value, cv_seeds)]
+        out["labels"][label] = {"n_train": int(len(yt)), "n_train_wrong": int(yt.sum()), "n_test": int(len(ye)),
+                                "n_test_wrong": int(ye.sum()), "rows": rows}
+        log.info("detection ablation (%s): %d variants", label, len(rows))
+    return out
