@@ -238,7 +238,7 @@ def fit_detector_on_queries(pipeline: Pipeline, queries, path: Path) -> Detector
     """The calibrated detector fitted on the first attempts of the labeled `queries` (FEVER labels, QA
     gold answers; unlabeled ones are skipped) and saved to `path`. The first attempts are computed
     here and again when the policy trains (they are not kept: a refresh arm changes the KB)."""
-    from d2r_edge.detector import feature_matrix, feature_names, first_answer
+    from d2r_edge.detector import feature_groups, feature_matrix, feature_names, first_answer
     from d2r_edge.runner import correct
 
     fv = pipeline.task.fact_verification
@@ -255,7 +255,7 @@ def fit_detector_on_queries(pipeline: Pipeline, queries, path: Path) -> Detector
         raise ConfigError("--gate calibrated fits its detector on labeled queries (FEVER label / QA answer), "
                           "and none of the training queries has one; add labels or use --gate paper")
     det = Detector.fit(feature_matrix(attempts, fv), np.array(wrong), feature_names(fv), pipeline.task.value,
-                       keys=texts)
+                       keys=texts, groups=feature_groups(fv))
     det.save(path)
     log.info("detector fitted on %d labeled queries (%d wrong first answers), threshold %.3f: %s",
              len(attempts), sum(wrong), det.threshold, path)

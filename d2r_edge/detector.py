@@ -321,43 +321,80 @@ class Detector:
 
     @classmethod
     def fit(cls, x: np.ndarray, wrong: np.ndarray, names: tuple[str, ...], task: str, l2: float | None = None,
-            iterations: int = 50, folds: int = 5, seeds: int = 3,
-            keys: list[str] | None = None) -> "Detector":
+            iterations: int = 50, folds: int = 5, seeds: int = 3, keys: list[str] | None = None,
+            groups: dict[str, tuple[str, ...]] | None = None) -> "Detector":
         """Newton's method on the L2-penalized log-loss. `l2` None: chosen from L2_GRID by out-of-fold
         log-loss; the threshold: the out-of-fold P(wrong) with the best balanced accuracy (stratified
-        `folds`-fold, averaged over `seeds` splits). `keys`: each row's query text, for `out_of_fold`."""
+        `folds`-fold, averaged over `seeds` splits). `keys`: each row's query text, for `out_of_fold`.
+        `groups` (feature_groups): which signals to use, chosen on the same out-of-fold log-loss by
+        backward elimination: while dropping one group's features lowers it, the best such group goes
+        (few strong signals beat many weak ones on a few hundred queries); a dropped feature's weight is 0."""
         x, y = _checked(x, wrong, names)
         if keys is not None and len(keys) != len(y):
             raise ConfigError(f"detector fit: {len(keys)} keys for {len(y)} rows")
         k = int(min(folds, y.sum(), len(y) - y.sum()))
         grid = L2_GRID if l2 is None else (float(l2),)
-        tried: dict[float, tuple[float, np.ndarray]] = {}
-        for value in grid:
-            try:
-                oof = out_of_fold(x, y, value, k, seeds, iterations)
-            except _NoConvergence:
-                continue
-            tried[value] = (_log_loss(oof, y), oof)
-        if not tried:
+
+        def best(cols: list[int]) -> tuple[float, float, np.ndarray, dict] | None:
+            """(out-of-fold log-loss, l2, out-of-fold P(wrong), every l2's loss) of these columns."""
+            tried: dict[float, tuple[float, np.ndarray]] = {}
+            for value in grid:
+                try:
+                    oof = out_of_fold(x[:, cols], y, value, k, seeds, iterations)
+                except _NoConvergence:
+                    continue
+                tried[value] = (_log_loss(oof, y), oof)
+            if not tried:
+                return None
+            chosen = min(tried, key=lambda v: (tried[v][0], -v))       # ties: the stronger penalty
+            return tried[chosen][0], chosen, tried[chosen][1], {str(v): round(tried[v][0], 6) for v in tried}
+
+        kept = [g for g, members in (groups or {}).items() if members]
+        cols_of = {g: [names.index(n) for n in groups[g]] for g in kept}
+        cols = sorted(c for g in kept for c in cols_of[g]) if groups else list(range(len(names)))
+        current = best(cols)
+        if current is None:
             raise ConfigError(f"detector fit: Newton's method did not converge in {iterations} steps with l2 "
                               f"{', '.join(map(str, grid))}; give a larger l2 or more training queries")
-        chosen = min(tried, key=lambda v: (tried[v][0], -v))       # ties: the stronger penalty
-        loss_oof, oof = tried[chosen]
+        dropped = []
+        while groups and len(kept) > 1:
+            options = {}
+            for g in kept:
+                rest = sorted(c for h in kept if h != g for c in cols_of[h])
+                result = best(rest)
+                if result is not None:
+                    options[g] = (result, rest)
+            if not options:
+                break
+            g = min(options, key=lambda h: options[h][0][0])
+            if not options[g][0][0] < current[0] - 1e-9:
+                break
+            current, cols = options[g]
+            kept.remove(g)
+            dropped.append(g)
+        loss_oof, chosen, oof, losses = current
         try:
-            mean, scale, w, impute, present, steps = _fit_arrays(x, y, chosen, iterations)
+            mean_k, scale_k, w_k, impute_k, present, steps = _fit_arrays(x[:, cols], y, chosen, iterations)
         except _NoConvergence as exc:
             raise ConfigError(f"detector fit: {exc} (l2 {chosen}); give a larger l2 or more training "
                               f"queries") from None
+        mean, scale, impute = np.zeros(len(names)), np.ones(len(names)), np.zeros(len(names))
+        weights = np.zeros(len(names))
+        mean[cols], scale[cols], impute[cols], weights[cols] = mean_k, scale_k, impute_k, w_k[:-1]
         t, bal = best_balanced_threshold(oof, y)
         stats = {"n": int(len(y)), "n_wrong": int(y.sum()), "l2": chosen,
                  "l2_rule": "given" if l2 is not None else f"min out-of-fold log-loss over {list(L2_GRID)}",
-                 "l2_out_of_fold_log_loss": {str(v): round(tried[v][0], 6) for v in tried},
+                 "l2_out_of_fold_log_loss": losses,
                  "newton_steps": steps, "folds": k, "fold_seeds": seeds,
                  "out_of_fold_log_loss": loss_oof, "out_of_fold_balanced_accuracy_at_threshold": bal,
                  "threshold_rule": "max balanced accuracy of the out-of-fold P(wrong)"}
-        stats["missing_share"] = {n: float(1 - present[:, j].mean()) for j, n in enumerate(names)
-                                  if n in MAY_BE_MISSING}
-        return cls(tuple(names), task, mean, scale, w[:-1], float(w[-1]), t, stats, impute,
+        if groups:
+            stats.update(groups_kept=kept, groups_dropped=dropped,
+                         group_rule="backward elimination on the out-of-fold log-loss")
+        present_share = {names[c]: float(present[:, j].mean()) for j, c in enumerate(cols)}
+        stats["missing_share"] = {n: 1.0 - present_share[n] for n in names if n in MAY_BE_MISSING
+                                  and n in present_share}
+        return cls(tuple(names), task, mean, scale, weights, float(w_k[-1]), t, stats, impute,
                    dict(zip(keys, map(float, oof))) if keys is not None else {})
 
     def to_json(self) -> dict:

@@ -457,7 +457,8 @@ def test_the_ablation_finds_the_signal_that_carries_detection(tmp_path):
     em, f1 = ab["labels"]["em_wrong"], ab["labels"]["f1_below_half"]
     assert f1["n_test_wrong"] < em["n_test_wrong"] and em["n_test"] == 120 and em["n_train"] == 90
     rows = {r["variant"]: r for r in em["rows"]}
-    assert list(rows)[:2] == ["alg1_nli", "all"] and len(rows) == 1 + len(variants(feature_groups(False)))
+    assert list(rows)[:3] == ["alg1_nli", "selected", "all"] and len(rows) == 2 + len(variants(feature_groups(False)))
+    assert "log_probs" in rows["selected"]["groups_kept"] and rows["selected"]["auroc"] > 0.65
     assert rows["only log_probs"]["auroc"] > 0.65 and rows["without log_probs"]["auroc"] < 0.6
     lo, hi = rows["only log_probs"]["auroc_ci95"]
     assert lo < rows["only log_probs"]["auroc"] < hi and rows["only log_probs"]["train_cv_auroc"] > 0.6
@@ -468,3 +469,35 @@ def test_the_ablation_finds_the_signal_that_carries_detection(tmp_path):
     assert costs["samples (self_consistency)"] is None                # no samples drawn: no cost claimed
     text = "\n".join(_ablation_lines(ab))
     assert "Label `f1_below_half`" in text and "| only log_probs |" in text
+
+
+def test_the_detector_chooses_its_signal_groups_on_training_folds(tmp_path):
+    """Only the log-probabilities carry the label; 25 noise features beside them: backward elimination
+    keeps log_probs, drops noise groups (their weights exactly 0), and the file round-trips."""
+    from d2r_edge.detector import feature_groups
+    from d2r_edge.eval.detection import auroc
+
+    names, groups = feature_names(False), feature_groups(False)
+    rng = np.random.default_rng(7)
+    n = 160
+    y = rng.random(n) < 0.4
+    x = rng.normal(size=(n, len(names)))
+    for name in groups["log_probs"]:
+        x[:, names.index(name)] = np.where(y, -2.0, -0.5) + rng.normal(0, 0.9, size=n)
+    x[rng.random(n) < 0.2, names.index("sc_agreement")] = np.nan          # a missing signal is still fine
+    det = Detector.fit(x, y, names, "qa", groups=groups)
+    kept, dropped = det.fit_stats["groups_kept"], det.fit_stats["groups_dropped"]
+    assert "log_probs" in kept and dropped and set(kept) | set(dropped) == set(groups)
+    for g in dropped:
+        assert all(det.weights[names.index(m)] == 0.0 for m in groups[g])
+    every = Detector.fit(x, y, names, "qa")                               # no choice: every feature weighs
+    assert np.count_nonzero(every.weights) > np.count_nonzero(det.weights)
+    assert det.fit_stats["out_of_fold_log_loss"] <= every.fit_stats["out_of_fold_log_loss"] + 1e-9
+    det.save(tmp_path / "d.json")
+    back = Detector.load(tmp_path / "d.json", fact_verification=False)
+    assert np.allclose(back.p_wrong_many(x), det.p_wrong_many(x))
+    x_new = rng.normal(size=(40, len(names)))
+    y_new = rng.random(40) < 0.4
+    for name in groups["log_probs"]:
+        x_new[:, names.index(name)] = np.where(y_new, -2.0, -0.5) + rng.normal(0, 0.9, size=40)
+    assert auroc(det.p_wrong_many(x_new), y_new) > 0.8

@@ -4,7 +4,9 @@ For the test queries' first answers (the generator's, before the UNVERIFIED gate
 detector (d2r_edge.detector: logistic, penalty and threshold chosen out of fold) is
 fitted on the training queries' first answers with the features of
 
-- every signal group ("all", what `--gate calibrated` uses),
+- the groups the fit chooses itself ("selected", what `--gate calibrated` uses: backward
+  elimination on the training queries' out-of-fold log-loss, Detector.fit),
+- every signal group ("all"),
 - one group alone ("only nli_query", ...),
 - every group but one ("without log_probs", ...),
 
@@ -70,6 +72,13 @@ def ablation_rows(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, 
     from d2r_edge.detector import Detector
 
     rows = []
+    try:      # the gate's own detector: it chooses its groups inside each fit (the CV is nested)
+        det = Detector.fit(x_train, y_train, names, task, groups=groups)
+        row = _row("selected", sum(1 for w in det.weights if w != 0.0), det.p_wrong_many(x_test), y_test,
+                   cross_validated(x_train, y_train, names, task, seeds=cv_seeds, groups=groups))
+        rows.append({**row, "groups_kept": det.fit_stats.get("groups_kept")})
+    except ConfigError as exc:
+        rows.append({"variant": "selected", "features": None, "skipped": str(exc)})
     for name, keep in variants(groups):
         cols = [names.index(n) for n in keep]
         xs_train, xs_test = x_train[:, cols], x_test[:, cols]

@@ -138,12 +138,13 @@ def fit_detector(ctx):
     """The calibrated detector fitted on the training queries' first attempts, or None (logged) when
     they cannot support a fit (too few, or all right / all wrong). Its `out_of_fold` P(wrong) is what
     the policies see for those queries while they train."""
-    from d2r_edge.detector import Detector, feature_matrix, feature_names
+    from d2r_edge.detector import Detector, feature_groups, feature_matrix, feature_names
 
     fv = ctx.settings.task.fact_verification
     firsts, wrong = _first_attempts(ctx, ctx.train)
     try:
         det = Detector.fit(feature_matrix(firsts, fv), wrong, feature_names(fv), ctx.settings.task.value,
+                           groups=feature_groups(fv),
                            keys=[q.text for q in ctx.train])
     except ConfigError as exc:
         log.warning("no calibrated detector: %s", exc)
@@ -157,13 +158,14 @@ def train_cross_validation(ctx, folds: int = 5, seeds: int = 5) -> dict | None:
     detector's out-of-fold P(wrong) (refitted on the other folds, each fit choosing its own penalty and
     threshold inside its folds), stratified, over `seeds` fold seeds: the mean and spread of AUROC/AUPRC.
     What a choice between the gates may read; None when the training queries are too few to split."""
-    from d2r_edge.detector import feature_matrix, feature_names
+    from d2r_edge.detector import feature_groups, feature_matrix, feature_names
 
     fv = ctx.settings.task.fact_verification
     firsts, wrong = _first_attempts(ctx, ctx.train)
     if len(firsts) < 5 * folds or min(wrong.sum(), (~wrong).sum()) < 2 * folds:
         return None
-    cv = cross_validated(feature_matrix(firsts, fv), wrong, feature_names(fv), ctx.settings.task.value, folds, seeds)
+    cv = cross_validated(feature_matrix(firsts, fv), wrong, feature_names(fv), ctx.settings.task.value, folds, seeds,
+                         groups=feature_groups(fv))
     if cv is None:
         return None
     alg1 = [alg1_score(a.diagnosis) for a in firsts]
@@ -172,10 +174,11 @@ def train_cross_validation(ctx, folds: int = 5, seeds: int = 5) -> dict | None:
             **{f"calibrated_{k}": v for k, v in cv.items()}}
 
 
-def cross_validated(x: np.ndarray, wrong: np.ndarray, names, task: str, folds: int = 5, seeds: int = 5) -> dict | None:
-    """A detector refitted on the other folds scores each held-out fold (each fit choosing its own penalty
-    and threshold inside its folds), stratified, over `seeds` fold seeds: the mean and sd of the
-    out-of-fold AUROC / AUPRC. None when a fold cannot be fitted."""
+def cross_validated(x: np.ndarray, wrong: np.ndarray, names, task: str, folds: int = 5, seeds: int = 5,
+                    groups: dict | None = None) -> dict | None:
+    """A detector refitted on the other folds scores each held-out fold (each fit choosing its own penalty,
+    signal groups when given, and threshold inside its folds), stratified, over `seeds` fold seeds: the
+    mean and sd of the out-of-fold AUROC / AUPRC. None when a fold cannot be fitted."""
     from d2r_edge.detector import Detector, stratified_folds
 
     rocs, prcs = [], []
@@ -185,7 +188,7 @@ def cross_validated(x: np.ndarray, wrong: np.ndarray, names, task: str, folds: i
         for k in range(folds):
             held = fold == k
             try:
-                det = Detector.fit(x[~held], wrong[~held], names, task)
+                det = Detector.fit(x[~held], wrong[~held], names, task, groups=groups)
             except ConfigError:
                 return None
             out[held] = det.p_wrong_many(x[held])

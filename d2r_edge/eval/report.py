@@ -202,7 +202,8 @@ def _ablation_lines(ab: dict | None) -> list[str]:
         lines += ["", f"Label `{label}`: {t['n_test_wrong']} of {t['n_test']} test first answers wrong "
                       f"({t['n_train_wrong']} of {t['n_train']} training).", ""]
         lines += _table(["detector", "features", "AUROC [95% CI]", "AUPRC [95% CI]", "training CV AUROC (+- sd)"],
-                        [[r["variant"], _num(r.get("features"), "d"),
+                        [[r["variant"] + (f" ({', '.join(r['groups_kept'])})" if r.get("groups_kept") else ""),
+                          _num(r.get("features"), "d"),
                           f"{_num(r.get('auroc'))} {_ci(r.get('auroc_ci95'))}" if "skipped" not in r else "-",
                           f"{_num(r.get('auprc'))} {_ci(r.get('auprc_ci95'))}" if "skipped" not in r else "-",
                           (r.get("skipped") or "")[:80] if "skipped" in r else
