@@ -89,6 +89,12 @@ def test_summary_has_every_method_and_the_paper_columns(evaluated):
     assert 0 <= det["flagged_wrong"] <= min(det["flagged"], det["n_wrong"])
     assert det["auroc"] is None or 0.0 <= det["auroc"] <= 1.0
     assert len(naive) == 30 and "## Failure detection" in report
+    # what the run spent, per phase: the outcomes first, then each method in order
+    phases = list(s["phases"])
+    assert phases[0].startswith("outcomes") and phases[1:] == [f"method {m}" for m in s["methods"]]
+    assert all(v["wall_s"] >= 0 and v["answers_generated"] >= 0 for v in s["phases"].values())
+    assert s["answers_per_query"]["stored_attempts_per_query"] >= 1.0 and "## What this run spent" in report
+    assert set(s["detection_ablation"]["labels"]) == {"label_wrong"}
 
 
 def test_oracle_is_never_below_any_fixed_arm(evaluated):

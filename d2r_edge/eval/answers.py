@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -310,6 +311,7 @@ def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Co
                   {q.id: str(qs.path) for qs in train_sets for q in qs.queries},
                   {q.id: str(qs.path) for qs in test_sets for q in qs.queries})
     compute = attempts or compute_locally
+    t0, before = time.perf_counter(), (gen.added, gen.requests)
     if run.gate is Gate.CALIBRATED:
         # the gate decides which queries are repaired, so the detector comes first: fitted on the
         # training queries' first attempts, saved, and handed to the workers by file
@@ -327,6 +329,7 @@ def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Co
         every_arm |= {q.id for q in ctx.train}
     todo = [(q.text, q.id in every_arm) for q in ctx.train + ctx.test]
     compute(run, s, todo, ctx)
+    ctx.phase("outcomes: first attempts, every allowed arm where the methods need it", t0, before)
     ctx.drop_failed()
     _some_test_left(ctx)
     if p.detector is None:
@@ -342,7 +345,11 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
     `attempts`: where the attempts are computed (default: this process)."""
     ctx = open_context(s, attempts)
     try:
-        records = {m.value: run_method(ctx, m) for m in s.methods}
+        records = {}
+        for m in s.methods:
+            t0, before = time.perf_counter(), (ctx.generator.added, ctx.generator.requests)
+            records[m.value] = run_method(ctx, m)
+            ctx.phase(f"method {m.value}", t0, before)
         # a query one method could not finish (its repair's generation failed) is left out of all
         late = {q.id for q in ctx.test if q.text in ctx.failed}
         ctx.drop_failed()
@@ -357,7 +364,8 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
                  "kb": ctx.kb_stats, "stored_attempts": len(ctx.store),
                  "generator_calls": ctx.generator.calls, "generator_cache_hits": ctx.generator.hits,
                  "unavailable_arms": dict(ctx.pipeline.arms.unavailable),
-                 "generator_failures": _failures(ctx)}
+                 "generator_failures": _failures(ctx), "phases": ctx.phases,
+                 "answers_per_query": _answers_per_query(ctx)}
         if Method.BEST_FIXED in s.methods:
             extra["best_fixed_arm"] = ARM_NAMES[best_fixed_arm(ctx)]
         if not s.task.fact_verification:
@@ -367,6 +375,15 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
     finally:
         ctx.store.close()
         ctx.generator.close()
+
+
+def _answers_per_query(ctx: Context) -> dict:
+    """Stored attempts per query (train + test; each one generator answer, but the voting arm's, plus N
+    samples on a first attempt), and what this invocation generated."""
+    n = len(ctx.train) + len(ctx.test)
+    return {"stored_attempts_per_query": len(ctx.store) / n if n else None,
+            "self_consistency_samples_per_first_answer": getattr(ctx.settings.run, "self_consistency", 0),
+            "new_answers_this_run": ctx.generator.added, "server_requests_this_run": ctx.generator.requests}
 
 
 def _some_test_left(ctx: Context) -> None:

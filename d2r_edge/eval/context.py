@@ -130,6 +130,16 @@ class Context:
     # the summary; nothing of it is stored, so a rerun tries it again.
     failed: dict[str, str] = field(default_factory=dict)
     left_out: list[dict] = field(default_factory=list)           # {"split", "id", "error"} per query
+    # what this invocation spent, per phase (outcomes, then each method): wall seconds and the new
+    # generator answers / server requests (a sampled answer is 1 + N requests); a resumed run counts its own
+    phases: dict[str, dict] = field(default_factory=dict)
+
+    def phase(self, name: str, started_s: float, before: tuple[int, int]) -> None:
+        import time
+
+        answers, requests = self.generator.added, self.generator.requests
+        self.phases[name] = {"wall_s": time.perf_counter() - started_s, "answers_generated": answers - before[0],
+                             "server_requests": requests - before[1]}
 
     def fail(self, text: str, exc: BaseException) -> None:
         self.failed.setdefault(text, f"{type(exc).__name__}: {exc}")

@@ -258,6 +258,7 @@ class CachedGenerator:
         self.log = _RowLog(path, read_only, generation_row_ok)      # read_only: new answers for the driver to `add`
         self._cache = {row["key"]: row for row in self.log.records}
         self.calls = self.hits = 0
+        self.added = self.requests = 0      # answers this process stored (local or from workers), their requests
 
     def key(self, task, style, query: str, passages: list[str], sample: bool = True) -> str:
         # JSON mode is read per request: a server that rejects it changes the output format
@@ -290,6 +291,8 @@ class CachedGenerator:
     def add(self, row: dict) -> None:
         if row["key"] in self._cache:
             return
+        self.added += 1
+        self.requests += 1 + len(row.get("samples") or ())
         self._cache[row["key"]] = row
         self.log.append(row)
 

@@ -397,6 +397,16 @@ def markdown(summary: dict) -> str:
             cells = "; ".join(f"{ft}: " + ", ".join(f"{a} {n}" for a, n in sorted(arms.items(), key=lambda kv: -kv[1]))
                               for ft, arms in table.items())
             lines.append(f"- `{m}`: {cells or 'no repairs'}")
+    phases = summary.get("phases") or {}
+    if phases:
+        per = summary.get("answers_per_query") or {}
+        lines += ["", "## What this run spent (this invocation; a resumed run counts only its own work)", ""]
+        lines += _table(["phase", "wall s", "answers generated", "server requests"],
+                        [[k, _num(v["wall_s"], ".0f"), str(v["answers_generated"]), str(v["server_requests"])]
+                         for k, v in phases.items()])
+        lines += ["", f"Stored attempts per query (train + test): {_num(per.get('stored_attempts_per_query'), '.2f')}; "
+                      f"self-consistency samples per first answer: "
+                      f"{per.get('self_consistency_samples_per_first_answer')}."]
     lines += ["", "## What this says", "", *findings(summary), ""]
     return "\n".join(lines)
 
