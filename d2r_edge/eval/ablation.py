@@ -36,6 +36,7 @@ from d2r_edge.eval.detection import alg1_score, auprc, auroc, bootstrap, cross_v
 log = logging.getLogger(__name__)
 
 CV_SEEDS = 3            # fold seeds per variant's training cross-validation (5 folds each)
+MIN_TRAIN = 50          # fewer training queries: no ablation (a dozen fits on a few dozen rows say nothing)
 
 
 def labels(ctx, queries, firsts) -> dict[str, np.ndarray]:
@@ -112,10 +113,12 @@ def signal_costs(firsts) -> dict[str, dict[str, float]]:
 
 
 def ablation(ctx, cv_seeds: int = CV_SEEDS) -> dict | None:
-    """The tables of the module docstring over ctx's training and test queries; None when the
-    training queries cannot fit a detector for any label."""
+    """The tables of the module docstring over ctx's training and test queries; None without test
+    queries, {"skipped": why} with fewer than MIN_TRAIN training queries."""
     from d2r_edge.detector import feature_groups, feature_matrix, feature_names
 
+    if len(ctx.train) < MIN_TRAIN:
+        return {"skipped": f"{len(ctx.train)} training queries; the signal ablation needs >= {MIN_TRAIN}"}
     fv = ctx.settings.task.fact_verification
     train_firsts = [ctx.first(q) for q in ctx.train]
     test_firsts = [ctx.first(q) for q in ctx.test]

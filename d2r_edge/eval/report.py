@@ -197,7 +197,10 @@ def _ablation_lines(ab: dict | None) -> list[str]:
     """Markdown of eval.ablation's tables: per label, each signal group alone and left out; the costs."""
     if not ab:
         return []
-    lines = ["", "## Which signal carries the detection (test queries; detectors fitted on the training queries)"]
+    title = "## Which signal carries the detection (test queries; detectors fitted on the training queries)"
+    if "skipped" in ab:
+        return ["", title, "", f"Not computed: {ab['skipped']}."]
+    lines = ["", title]
     for label, t in ab["labels"].items():
         lines += ["", f"Label `{label}`: {t['n_test_wrong']} of {t['n_test']} test first answers wrong "
                       f"({t['n_train_wrong']} of {t['n_train']} training).", ""]
