@@ -430,8 +430,10 @@ def _generator_args(p: argparse.ArgumentParser, key_flag: str = "--api-key-env")
                    help="environment variable holding the generator server's key")
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--self-consistency", type=int, default=0, metavar="N",
-                   help="openai generator: N more answers per prompt at --sample-temperature; their agreement "
-                        "with the answer becomes the detector's self-consistency signal (d2r_edge/consistency.py)")
+                   help="openai generator: N more answers to a query's first prompt at --sample-temperature; "
+                        "their agreement with the answer becomes the detector's self-consistency signal "
+                        "(d2r_edge/consistency.py), and with N >= 2 the arm sample_majority answers with their "
+                        "majority (repairs draw no samples)")
     p.add_argument("--sample-temperature", type=float, default=0.7)
     p.add_argument("--budget-latency-s", type=float, default=None,
                    help="seconds per repair action (paper: 3 s; the default, unless --budget-latency-x is "
