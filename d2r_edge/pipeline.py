@@ -14,7 +14,7 @@ import d2r_edge.deadline as deadline
 from d2r_edge.budget import CostModel, Measurement, Meter
 from d2r_edge.config import Budget, RewardConfig
 from d2r_edge.consistency import majority
-from d2r_edge.detector import Detector, Gate, record_signals
+from d2r_edge.detector import Detector, Gate, first_answer, record_signals
 from d2r_edge.diagnose import Diagnoser, Diagnosis, Label
 from d2r_edge.errors import RECOVERABLE, ConfigError
 from d2r_edge.generate.base import Generation
@@ -181,6 +181,11 @@ class Pipeline:
         t["generate_s"] = time.perf_counter() - t0
         if gen.samples:            # the self-consistency signal's share of generate_s (replayed or live)
             t["samples_s"] = gen.samples_s
+        return self._diagnosed(query, passages, texts, gen, t)
+
+    def _diagnosed(self, query: str, passages: list[Passage], texts: list[str], gen: Generation,
+                   t: dict[str, float]) -> Attempt:
+        """The attempt of `gen` on `passages`, diagnosed (its time into `t`)."""
         t0 = time.perf_counter()
         extra = {"samples": gen.samples} if gen.samples else {}      # (stand-in diagnosers take none)
         diag = self.diagnoser.diagnose(query, texts, gen.response, gen.label, self.task.fact_verification, **extra)
@@ -191,24 +196,19 @@ class Pipeline:
         """The `sample_majority` arm: the first attempt's passages, answered with the majority of its
         greedy answer and samples (d2r_edge.consistency.majority), then diagnosed again. Without
         samples (a failed or uncached sampling) the answer is the first one, unchanged."""
-        base_cfg = replace(cfg, majority=False)
-        if first is None or self.effective(base_cfg) != self.effective(self.default):
-            first = self.metered_attempt(query, base_cfg, query_vec, metered=False)[0]
+        if first is None:        # an evaluation's memo holds it; a live run hands it over
+            first = self.metered_attempt(query, replace(cfg, majority=False), query_vec, metered=False)[0]
         t = {"refresh_s": 0.0, "retrieve_s": 0.0}
         t0 = time.perf_counter()
         g, fv = first.generation, self.task.fact_verification
-        greedy = ((g.label.value if g.label is not None else Label.NOT_ENOUGH_INFO.value) if fv else g.response)
+        greedy = first_answer(fv, first)
         nli = getattr(self.diagnoser, "nli", None)
         winner = majority(query, greedy, g.samples, fv, nli) if g.samples else greedy
         gen = Generation(response=g.response if fv else winner, label=Label.parse(winner) if fv else None,
                          raw=g.raw, logprobs=g.logprobs if winner == greedy else None, samples=g.samples)
         t["generate_s"] = time.perf_counter() - t0
         texts = [evidence_text(p, cfg.evidence_titles) for p in first.passages]
-        t0 = time.perf_counter()
-        extra = {"samples": gen.samples} if gen.samples else {}
-        diag = self.diagnoser.diagnose(query, texts, gen.response, gen.label, fv, **extra)
-        t["diagnose_s"] = time.perf_counter() - t0
-        return Attempt(list(first.passages), gen, diag, t)
+        return self._diagnosed(query, list(first.passages), texts, gen, t)
 
     def run(self, query: str, learn: bool, deadline_s: float | None = None) -> dict:
         """Answer one query with at most one repair (Alg. 2 l.6-15); returns the record."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -311,25 +310,24 @@ def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Co
                   {q.id: str(qs.path) for qs in train_sets for q in qs.queries},
                   {q.id: str(qs.path) for qs in test_sets for q in qs.queries})
     compute = attempts or compute_locally
-    t0, before = time.perf_counter(), (gen.added, gen.requests)
-    if run.gate is Gate.CALIBRATED:
-        # the gate decides which queries are repaired, so the detector comes first: fitted on the
-        # training queries' first attempts, saved, and handed to the workers by file
-        compute(run, s, [(q.text, False) for q in ctx.train], ctx)
-        ctx.drop_failed()
-        p.detector = fit_detector(ctx)
-        if p.detector is None:
-            raise InputError("--gate calibrated: the training queries cannot fit a detector (see the warning "
-                             "above); give more --train queries or use --gate paper")
-        run = replace(run, detector_path=s.out / DETECTOR_FILE)
-    # every allowed arm of a failing query: on the test queries for the oracle and the arm
-    # table, on the training queries for best_fixed; the policies pick among the same outcomes.
-    every_arm = {q.id for q in ctx.test} if Method.ORACLE in s.methods or attempts is not None else set()
-    if Method.BEST_FIXED in s.methods:
-        every_arm |= {q.id for q in ctx.train}
-    todo = [(q.text, q.id in every_arm) for q in ctx.train + ctx.test]
-    compute(run, s, todo, ctx)
-    ctx.phase("outcomes: first attempts, every allowed arm where the methods need it", t0, before)
+    with ctx.phase("outcomes: first attempts, every allowed arm where the methods need it"):
+        if run.gate is Gate.CALIBRATED:
+            # the gate decides which queries are repaired, so the detector comes first: fitted on the
+            # training queries' first attempts, saved, and handed to the workers by file
+            compute(run, s, [(q.text, False) for q in ctx.train], ctx)
+            ctx.drop_failed()
+            p.detector = fit_detector(ctx)
+            if p.detector is None:
+                raise InputError("--gate calibrated: the training queries cannot fit a detector (see the warning "
+                                 "above); give more --train queries or use --gate paper")
+            run = replace(run, detector_path=s.out / DETECTOR_FILE)
+        # every allowed arm of a failing query: on the test queries for the oracle and the arm
+        # table, on the training queries for best_fixed; the policies pick among the same outcomes.
+        every_arm = {q.id for q in ctx.test} if Method.ORACLE in s.methods or attempts is not None else set()
+        if Method.BEST_FIXED in s.methods:
+            every_arm |= {q.id for q in ctx.train}
+        todo = [(q.text, q.id in every_arm) for q in ctx.train + ctx.test]
+        compute(run, s, todo, ctx)
     ctx.drop_failed()
     _some_test_left(ctx)
     if p.detector is None:
@@ -347,9 +345,8 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
     try:
         records = {}
         for m in s.methods:
-            t0, before = time.perf_counter(), (ctx.generator.added, ctx.generator.requests)
-            records[m.value] = run_method(ctx, m)
-            ctx.phase(f"method {m.value}", t0, before)
+            with ctx.phase(f"method {m.value}"):
+                records[m.value] = run_method(ctx, m)
         # a query one method could not finish (its repair's generation failed) is left out of all
         late = {q.id for q in ctx.test if q.text in ctx.failed}
         ctx.drop_failed()

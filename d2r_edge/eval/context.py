@@ -4,6 +4,8 @@ import this; it imports none of them."""
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -134,12 +136,13 @@ class Context:
     # generator answers / server requests (a sampled answer is 1 + N requests); a resumed run counts its own
     phases: dict[str, dict] = field(default_factory=dict)
 
-    def phase(self, name: str, started_s: float, before: tuple[int, int]) -> None:
-        import time
-
-        answers, requests = self.generator.added, self.generator.requests
-        self.phases[name] = {"wall_s": time.perf_counter() - started_s, "answers_generated": answers - before[0],
-                             "server_requests": requests - before[1]}
+    @contextmanager
+    def phase(self, name: str):
+        """`with ctx.phase(name): ...` records the block's wall time and what the generator added in it."""
+        t0, answers, requests = time.perf_counter(), self.generator.added, self.generator.requests
+        yield
+        self.phases[name] = {"wall_s": time.perf_counter() - t0, "answers_generated": self.generator.added - answers,
+                             "server_requests": self.generator.requests - requests}
 
     def fail(self, text: str, exc: BaseException) -> None:
         self.failed.setdefault(text, f"{type(exc).__name__}: {exc}")
