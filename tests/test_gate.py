@@ -501,3 +501,14 @@ def test_the_detector_chooses_its_signal_groups_on_training_folds(tmp_path):
     for name in groups["log_probs"]:
         x_new[:, names.index(name)] = np.where(y_new, -2.0, -0.5) + rng.normal(0, 0.9, size=40)
     assert auroc(det.p_wrong_many(x_new), y_new) > 0.8
+
+
+def test_per_file_detection_rows_name_files_that_share_a_name_apart():
+    # HotpotQA's distractor and fullwiki questions are both dev.jsonl: the per-file table said 'dev.jsonl' twice
+    from d2r_edge.eval.report import file_labels
+
+    labels = file_labels(["data/hotpotqa/dev.jsonl", "data/hotpotqa_fullwiki/dev.jsonl", "data/fever/test.jsonl"])
+    assert labels == {"data/hotpotqa/dev.jsonl": "hotpotqa/dev.jsonl",
+                      "data/hotpotqa_fullwiki/dev.jsonl": "hotpotqa_fullwiki/dev.jsonl",
+                      "data/fever/test.jsonl": "test.jsonl"}
+    assert file_labels(["a/x.jsonl", "a/x.jsonl"]) == {"a/x.jsonl": "x.jsonl"}

@@ -186,10 +186,23 @@ def _ci(ci) -> str:
     return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "[-]"
 
 
-def _file_cell(row: dict) -> str:
+def file_labels(paths) -> dict[str, str]:
+    """Each path's shortest trailing part that no other path ends with (hotpotqa/dev.jsonl and
+    hotpotqa_fullwiki/dev.jsonl are both 'dev.jsonl' by name alone)."""
+    parts = {p: Path(p).parts for p in set(paths)}
+    labels = {}
+    for p, mine in parts.items():
+        n = 1
+        while n < len(mine) and any(o != p and theirs[-n:] == mine[-n:] for o, theirs in parts.items()):
+            n += 1
+        labels[p] = "/".join(mine[-n:])
+    return labels
+
+
+def _file_cell(row: dict, labels: dict[str, str]) -> str:
     if "file" not in row:
         return "all"
-    name = Path(row["file"]).name
+    name = labels[row["file"]]
     return name if row.get("file_in_training") else f"{name} (no training queries from it)"
 
 
@@ -353,10 +366,11 @@ def markdown(summary: dict) -> str:
                           _pct(v["entailed_if_wrong"]), _num(v["balanced_accuracy"], ".3f")] for f, v in forms.items()])
     det = summary.get("detection_scores") or []
     if det:
+        labels = file_labels(r["file"] for r in det if "file" in r)
         lines += ["", "## Failure detection (test queries' first answers, before the UNVERIFIED gate)", ""]
         lines += _table(["test file", "score", "AUROC [95% CI]", "AUPRC [95% CI]", "vs alg1_nli [95% CI]",
                          "queries", "wrong", "flagged", "flagged and wrong"],
-                        [[_file_cell(r), r["score"], f"{_num(r['auroc'], '.3f')} {_ci(r.get('auroc_ci95'))}",
+                        [[_file_cell(r, labels), r["score"], f"{_num(r['auroc'], '.3f')} {_ci(r.get('auroc_ci95'))}",
                           f"{_num(r['auprc'], '.3f')} {_ci(r.get('auprc_ci95'))}", _diff_cell(r), str(r["n"]),
                           str(r["n_wrong"]), str(r["flagged"]), str(r["flagged_wrong"])] for r in det])
         lines += ["", "AUROC: how often a wrong first answer scores above a right one (0.5: chance). "
