@@ -209,7 +209,8 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
                       gate=Gate(args.gate), response_nli=ResponseNLI.ALL)   # detection reads every pair
     s = EvalSettings(task=Task(args.task), train=tuple(map(Path, args.train)), test=tuple(map(Path, args.test)),
                      models=Path(args.models), out=out, train_limit=args.train_limit, test_limit=args.test_limit,
-                     train_limit_per_file=args.train_limit_per_file, test_offset=args.test_offset,
+                     train_limit_per_file=args.train_limit_per_file,
+                     test_limit_per_file=args.test_limit_per_file, test_offset=args.test_offset,
                      split=Split(args.split), methods=methods, extra_docs=tuple(map(Path, args.extra_docs)),
                      run=run, epochs=args.epochs, bootstrap_resamples=args.bootstrap,
                      generation_cache=Path(args.generation_cache) if args.generation_cache else None)
@@ -549,6 +550,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most N training queries from each --train file (e.g. HotpotQA distractor and "
                         "fullwiki questions on both sides); the test slice continues after each")
     p.add_argument("--test-limit", type=int, default=None)
+    p.add_argument("--test-limit-per-file", type=int, default=None, metavar="N",
+                   help="at most N test queries from each --test file, after its training queries (with "
+                        "--train-limit-per-file: a slice of each file's training side, e.g. to compare settings "
+                        "on training queries only)")
     p.add_argument("--test-offset", type=int, default=0,
                    help="skip the first N test queries (a later, unused slice; their documents stay in the KB)")
     p.add_argument("--split", default="heldout", choices=["heldout", "fit", "all"],

@@ -439,6 +439,14 @@ def test_a_per_file_training_limit_takes_each_file_s_head(tmp_path):
     train, test = load_splits(settings(train_limit_per_file=2))
     assert [q.id for qs in train for q in qs.queries] == ["a0", "a1", "b0", "b1"]
     assert [q.id for qs in test for q in qs.queries] == ["a2", "a3", "a4", "b2", "b3", "b4"]
+    # the next N of each file: a slice of each file's training side (settings compared on training queries)
+    train, test = load_splits(settings(train_limit_per_file=1, test_limit_per_file=2))
+    assert [q.id for qs in test for q in qs.queries] == ["a1", "a2", "b1", "b2"]
+    assert fingerprint(settings(test_limit_per_file=2), "k")["test_limit_per_file"] == 2
+    assert "test_limit_per_file" not in fingerprint(settings(test_limit=2), "k")
+    for kw in ({"test_limit": 2}, {"test_offset": 1}):
+        with pytest.raises(InputError, match="not both"):
+            settings(test_limit_per_file=2, **kw)
     train, _ = load_splits(settings(train_limit=2))            # in all: the first file's head only
     assert [q.id for qs in train for q in qs.queries] == ["a0", "a1"]
     assert fingerprint(settings(train_limit_per_file=2), "k")["train_limit_per_file"] == 2

@@ -82,6 +82,9 @@ def load_splits(s: EvalSettings) -> tuple[list[QuerySet], list[QuerySet]]:
     else:
         train = _load(s.train, s.split, s.train_limit, frozenset(), s.task)
     train_ids = frozenset(q.id for qs in train for q in qs.queries)
+    if s.test_limit_per_file is not None:      # each file's next N after its training queries
+        test = [qs for path in s.test for qs in _load((path,), s.split, s.test_limit_per_file, train_ids, s.task)]
+        return train, test
     limit = None if s.test_limit is None else s.test_limit + s.test_offset
     test = _load(s.test, s.split, limit, train_ids, s.task)
     skip, available = s.test_offset, sum(len(qs.queries) for qs in test)
@@ -185,6 +188,7 @@ def fingerprint(s: EvalSettings, kb_input_sha256: str) -> dict:
             "train": [str(p) for p in s.train], "train_limit": s.train_limit,
             # (absent when unset or off: older folders keep their fingerprint)
             **({"train_limit_per_file": s.train_limit_per_file} if s.train_limit_per_file is not None else {}),
+            **({"test_limit_per_file": s.test_limit_per_file} if s.test_limit_per_file is not None else {}),
             **({"self_consistency": [run.self_consistency, run.sample_temperature]}
                if getattr(run, "self_consistency", 0) else {}),
             "test": [str(p) for p in s.test], "test_offset": s.test_offset,

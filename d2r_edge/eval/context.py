@@ -81,6 +81,7 @@ class EvalSettings:
     train_limit: int | None = None
     train_limit_per_file: int | None = None   # at most N from each --train file (instead of N in all)
     test_limit: int | None = None
+    test_limit_per_file: int | None = None    # at most N from each --test file (after its training queries)
     test_offset: int = 0                   # skip the first N test queries (their documents stay in the KB)
     split: Split = Split.HELDOUT
     methods: tuple[Method, ...] = tuple(Method)
@@ -96,7 +97,10 @@ class EvalSettings:
         if self.train_limit is not None and self.train_limit_per_file is not None:
             raise InputError("give --train-limit (queries in all) or --train-limit-per-file (from each file), "
                              "not both")
-        for name in ("train_limit", "train_limit_per_file", "test_limit"):
+        if self.test_limit_per_file is not None and (self.test_limit is not None or self.test_offset):
+            raise InputError("give --test-limit / --test-offset (queries in all) or --test-limit-per-file (from "
+                             "each file), not both")
+        for name in ("train_limit", "train_limit_per_file", "test_limit", "test_limit_per_file"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InputError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
