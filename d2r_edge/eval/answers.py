@@ -75,15 +75,20 @@ def _load(paths, split: Split, limit: int | None, skip: frozenset[str], task: Ta
     return sets
 
 
+def _load_each(paths, split: Split, limit: int, skip: frozenset[str], task: Task) -> list[QuerySet]:
+    """At most `limit` queries from each file (files of different kinds, e.g. HotpotQA distractor and fullwiki)."""
+    return [qs for path in paths for qs in _load((path,), split, limit, skip, task)]
+
+
 def load_splits(s: EvalSettings) -> tuple[list[QuerySet], list[QuerySet]]:
     """Train and test query sets, disjoint: a file given for both skips the training ids in test."""
     if s.train_limit_per_file is not None:     # each file its own slice (files of different kinds)
-        train = [qs for path in s.train for qs in _load((path,), s.split, s.train_limit_per_file, frozenset(), s.task)]
+        train = _load_each(s.train, s.split, s.train_limit_per_file, frozenset(), s.task)
     else:
         train = _load(s.train, s.split, s.train_limit, frozenset(), s.task)
     train_ids = frozenset(q.id for qs in train for q in qs.queries)
     if s.test_limit_per_file is not None:      # each file's next N after its training queries
-        test = [qs for path in s.test for qs in _load((path,), s.split, s.test_limit_per_file, train_ids, s.task)]
+        test = _load_each(s.test, s.split, s.test_limit_per_file, train_ids, s.task)
         return train, test
     limit = None if s.test_limit is None else s.test_limit + s.test_offset
     test = _load(s.test, s.split, limit, train_ids, s.task)
