@@ -99,7 +99,7 @@ class RunSettings:
     @property
     def effective_response_nli(self) -> ResponseNLI:
         """UNTIL_ENTAILED leaves pairs unscored; a detector's features read them all."""
-        if self.detector_path is not None or self.gate is Gate.CALIBRATED:
+        if self.detector_path is not None or self.gate is Gate.CALIBRATED or self.reward.quality.value == "detector":
             return ResponseNLI.ALL
         return self.response_nli
 

@@ -227,8 +227,10 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
 
 def _budget(args: argparse.Namespace):
     """--budget-preset or --budget-latency-s / --budget-mem-mib, with --budget-latency-x beside either
-    (the seconds then cap the relative bound; --budget-latency-x alone leaves it uncapped)."""
+    (the seconds then cap the relative bound; --budget-latency-x alone leaves it uncapped). With no
+    latency flag, the generator's own default (the paper's 3 s; 1.5x the first attempt for an LLM server)."""
     from d2r_edge.config import BUDGET_PRESETS, Budget
+    from d2r_edge.generate.registry import GENERATORS
 
     x = args.budget_latency_x
     if args.budget_preset:
@@ -236,7 +238,8 @@ def _budget(args: argparse.Namespace):
         return preset if x is None else Budget(preset.latency_s, preset.device_mem_mib, x)
     seconds = args.budget_latency_s
     if seconds is None and x is None:
-        seconds = Budget().latency_s
+        default = GENERATORS[args.generator].default_budget
+        seconds, x = default.latency_s, default.latency_x
     return Budget(latency_s=seconds, device_mem_mib=args.budget_mem_mib, latency_x=x)
 
 
@@ -255,7 +258,8 @@ def _settings(args: argparse.Namespace):
         timeout_s=args.timeout_s, self_consistency=args.self_consistency,
         sample_temperature=args.sample_temperature, policy_path=Path(args.policy) if args.policy else None,
         policy_kind=args.policy_kind, alpha=args.alpha, budget=budget,
-        reward=RewardConfig(gates=not args.unconstrained, cost_weighting=not args.unweighted),
+        reward=RewardConfig(gates=not args.unconstrained, cost_weighting=not args.unweighted,
+                            quality=args.reward_quality),
         exploration=ExplorationConfig(rate=args.explore, seed=args.seed),
         refresh_pool=Path(args.refresh_pool) if args.refresh_pool else None, seed=args.seed,
         qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages, gate=Gate(args.gate),
@@ -290,6 +294,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if settings.gate.value == "calibrated" and settings.detector_path is None:
         raise InputError("--gate calibrated needs a fitted detector: give --detector FILE, or --policy P.npz "
                          "trained with `d2r-edge train --gate calibrated` (it writes P.detector.json)")
+    if settings.reward.quality.value == "detector" and settings.detector_path is None:
+        raise InputError("--reward-quality detector needs a fitted detector: give --detector FILE, or --policy "
+                         "P.npz trained with `d2r-edge train --reward-quality detector` (it writes P.detector.json)")
     deadline_s = None
     if args.deadline_ms is not None:
         if not 0 < args.deadline_ms < 86_400_000:
@@ -353,8 +360,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         queries = queries[: args.limit]
     settings = dataclasses.replace(_settings(args), create_policy=True)   # train may start the file
     pipeline = build_pipeline(settings)
-    if settings.gate.value == "calibrated" and pipeline.detector is None:
-        # the gate decides what is repaired, so the detector is fitted before the policy learns
+    needs_detector = settings.gate.value == "calibrated" or settings.reward.quality.value == "detector"
+    if needs_detector and pipeline.detector is None:
+        # the gate decides what is repaired (the detector reward scores the repairs), so the detector
+        # is fitted before the policy learns
         path = detector_path(settings.policy_path)
         pipeline.detector = fit_detector_on_queries(pipeline, queries, path)
         print(f"detector saved to {path}")
@@ -385,6 +394,10 @@ def _pipeline_args(p: argparse.ArgumentParser, generator_key_flag: str = "--api-
     _generator_args(p, generator_key_flag)
     p.add_argument("--unconstrained", action="store_true", help="ablation: no hard budget gates in the reward")
     p.add_argument("--unweighted", action="store_true", help="ablation: no cost weighting in the reward")
+    p.add_argument("--reward-quality", default="alg1", choices=["alg1", "detector"],
+                   help="the reward's quality term: alg1 = Eq. 2's NF/KG/NLI indicators of the repaired answer "
+                        "(the paper); detector = 1 - the calibrated detector's P(wrong) of it (train fits the "
+                        "detector first, as for --gate calibrated); the budget terms stay Eq. 2's")
     p.add_argument("--explore", type=float, default=0.0, help="weighted random exploration rate (train)")
     p.add_argument("--refresh-pool", default=None, help="JSONL pool for the paper's simulated refresh arm")
     p.add_argument("--seed", type=int, default=0)
@@ -437,8 +450,8 @@ def _generator_args(p: argparse.ArgumentParser, key_flag: str = "--api-key-env")
                         "majority (repairs draw no samples)")
     p.add_argument("--sample-temperature", type=float, default=0.7)
     p.add_argument("--budget-latency-s", type=float, default=None,
-                   help="seconds per repair action (paper: 3 s; the default, unless --budget-latency-x is "
-                        "given alone)")
+                   help="seconds per repair action (paper: 3 s). Without this and --budget-latency-x: 3 s "
+                        "for the extractive generator, 1.5x the query's first attempt for an LLM server")
     p.add_argument("--budget-latency-x", type=float, default=None, metavar="X",
                    help="a repair action may take X times the query's own first attempt (retrieve, generate, "
                         "diagnose): a budget that fits a slow local generator; with --budget-latency-s too, "
@@ -561,7 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "fine-tuning (default), fit = the side they trained on, all")
     p.add_argument("--methods", default=None, help="comma-separated (default: all): " + ", ".join(
         ["naive", "paraphrase", "expansion", "best_fixed", "linucb", "thompson", "oracle",
-         "linucb_unweighted", "linucb_unconstrained", "linucb_stringent", "linucb_relaxed"]))
+         "linucb_unweighted", "linucb_unconstrained", "linucb_stringent", "linucb_relaxed"]) +
+        "; also linucb_detector, thompson_detector (reward from the calibrated detector, not in the default)")
     p.add_argument("--extra-docs", action="append", default=[], metavar="FILE",
                    help="more KB documents (JSONL id, title, text), e.g. distractors")
     p.add_argument("--epochs", type=int, default=2, help="policy training passes (paper: 2)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 
 from d2r_edge.errors import ConfigError
 
@@ -158,9 +159,22 @@ class ContextConfig:
         return self.projected_dim + 19 + int(self.p_wrong)
 
 
+class RewardQuality(str, Enum):
+    """What the reward's quality term reads from the repaired answer."""
+
+    ALG1 = "alg1"            # Eq. 2: (1/4)(1_NF + 1_KG + 2*1_NLI) of its Alg. 1 diagnosis (the paper)
+    DETECTOR = "detector"    # 1 - P(wrong) of the calibrated detector (needs one: `train --gate calibrated`)
+
+
 @dataclass(frozen=True)
 class RewardConfig:
-    """Eq. 2 and the paper's ablations: `gates=False` is "unconstrained", `cost_weighting=False` "unweighted"."""
+    """Eq. 2 and the paper's ablations: `gates=False` is "unconstrained", `cost_weighting=False` "unweighted".
+    `quality`: Eq. 2's diagnostic indicators (the paper) or the calibrated detector's P(right) of the
+    repaired answer; the budget gates and cost terms stay Eq. 2's either way."""
 
     gates: bool = True
     cost_weighting: bool = True
+    quality: RewardQuality = RewardQuality.ALG1
+
+    def __post_init__(self) -> None:
+        coerce_enum(self, "quality", RewardQuality)

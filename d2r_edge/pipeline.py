@@ -12,7 +12,7 @@ import numpy as np
 
 import d2r_edge.deadline as deadline
 from d2r_edge.budget import CostModel, Measurement, Meter
-from d2r_edge.config import Budget, RewardConfig
+from d2r_edge.config import Budget, RewardConfig, RewardQuality
 from d2r_edge.consistency import majority
 from d2r_edge.detector import Detector, Gate, first_answer, record_signals
 from d2r_edge.diagnose import Diagnoser, Diagnosis, Label
@@ -116,6 +116,20 @@ class Pipeline:
         if self.gate is Gate.CALIBRATED:
             return p >= self.detector.threshold, p, signals
         return first.diagnosis.failure is not FailureType.NO_FAILURE, p, signals
+
+    def repaired_p_wrong(self, second: Attempt) -> float | None:
+        """The detector's P(wrong) of a repaired answer where the reward reads it (RewardQuality.DETECTOR),
+        else None. A repair is never a row the detector was fitted on, so no out-of-fold lookup."""
+        if self.reward_cfg.quality is not RewardQuality.DETECTOR:
+            return None
+        self._check_reward_detector()
+        return self.detector.assess(second, self.task.fact_verification)[0]
+
+    def _check_reward_detector(self) -> None:
+        if self.reward_cfg.quality is RewardQuality.DETECTOR and self.detector is None:
+            raise ConfigError("the detector reward (--reward-quality detector) needs a fitted detector: give "
+                              "--detector FILE (train --reward-quality detector writes one), or use "
+                              "--reward-quality alg1")
 
     def repairs(self, first: Attempt, training_query: str | None = None) -> bool:
         return self.assess(first, training_query)[0]
@@ -259,6 +273,7 @@ class Pipeline:
             # the first pass's recorded stage times, not the wall clock: a memoized first
             # attempt then builds the same context vector (remaining budget) as a live one
             spent_s = attempt_seconds(first)
+            self._check_reward_detector()       # a missing detector is a setting, not one query's failure
             try:
                 rec["repair"], final = self._repair(query, q_vec, first, allowed, learn, spent_s, p_wrong)
             except RECOVERABLE as exc:
@@ -308,11 +323,12 @@ class Pipeline:
         policy_s = time.perf_counter() - t0
         second, cost = self.metered_attempt(query, ARMS[arm].apply(self.default), q_vec, first=first)
         d2 = second.diagnosis
+        p_wrong_after = self.repaired_p_wrong(second)
         r = reward(no_failure=d2.failure is FailureType.NO_FAILURE,
                    kg_consistent=d2.kg is KGStatus.CONSISTENT,
                    nli_entailed=d2.e_r is Entailment.ENTAILMENT,
                    latency_s=cost.latency_s, device_mem_mib=cost.mem_growth_mib,
-                   budget=budget, cfg=self.reward_cfg)
+                   budget=budget, cfg=self.reward_cfg, p_wrong=p_wrong_after)
         self.costs.observe(arm, cost.latency_s, cost.mem_growth_mib)
         t1 = time.perf_counter()
         updates_after = None
@@ -331,7 +347,8 @@ class Pipeline:
             "mem_growth_mib": cost.mem_growth_mib, "memory_kind": cost.memory_kind.value,
             "over_budget": budget.exceeded_by(cost.latency_s, cost.mem_growth_mib),
             "budget": self.budget.describe(spent_s),
-            "reward": r, "x": x.tolist() if learn else None, "policy_s": policy_s,
+            "reward": r, "reward_quality": self.reward_cfg.quality.value, "p_wrong_after": p_wrong_after,
+            "x": x.tolist() if learn else None, "policy_s": policy_s,
             "is_retrieval_arm": bool(IS_RETRIEVAL[arm]), "unavailable": dict(self.arms.unavailable),
             "policy_updates": updates_after,
         }, second

@@ -145,6 +145,19 @@ def test_the_cli_composes_the_flags():
         _cli_budget("--budget-latency-x", "0")
 
 
+def test_an_llm_generator_defaults_to_a_budget_relative_to_its_first_attempt():
+    # issue 35 §2: the paper's 3 s stays the extractive default; an LLM server gets 1.5x its own first attempt
+    assert _cli_budget("--generator", "extractive") == Budget()
+    llm = _cli_budget("--generator", "openai")
+    assert llm == Budget(latency_s=None, latency_x=1.5)
+    assert llm.for_attempt(4.0).latency_s == pytest.approx(6.0)
+    assert _cli_budget("--generator", "openai", "--budget-mem-mib", "2").device_mem_mib == 2.0
+    # any latency flag replaces the default, as before
+    assert _cli_budget("--generator", "openai", "--budget-latency-s", "10") == Budget(10.0, 6.0, None)
+    assert _cli_budget("--generator", "openai", "--budget-latency-x", "3") == Budget(None, 6.0, 3.0)
+    assert _cli_budget("--generator", "openai", "--budget-preset", "paper") == Budget()
+
+
 def test_attempt_seconds_is_the_sum_of_the_stages():
     from d2r_edge.pipeline import Attempt
 

@@ -155,3 +155,36 @@ def test_redaction_helpers():
     assert excerpt("a\nb\r\x1b[2J" + "x" * 400, 10) == "a\\nb\\r\\x1b[2Jxx..."
     assert safe_url("https://user:pw@api.example.invalid:8443/v1?api_key=zzz#f") == "https://api.example.invalid:8443/v1"
     assert "pw" not in str(OpenAICompatible("http://user:pw@127.0.0.1:9/v1", "m").where)
+
+
+LLAMA_CTX = {"error": {"code": 500, "message": "Context size has been exceeded.", "type": "server_error"}}
+OPENAI_CTX = {"error": {"message": "This model's maximum context length is 4096 tokens.", "type":
+                        "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}
+
+
+@pytest.mark.parametrize("status, body", [(500, LLAMA_CTX), (400, OPENAI_CTX)])
+def test_a_prompt_over_the_context_is_not_retried_and_is_asked_again_with_half_the_passages(status, body):
+    from d2r_edge.generate.openai_compat import exceeds_context
+    from d2r_edge.repair import PromptStyle
+    from d2r_edge.tasks import Task
+
+    assert exceeds_context(json.dumps(body)) and not exceeds_context('{"error": "overloaded"}')
+    fever = {"choices": [{"message": {"content": '{"response": "x", "label": "SUPPORTS"}'}}]}
+    passages = [f"passage number {i}" for i in range(8)]
+    with ScriptedServer() as srv:
+        # 8 passages do not fit, nor 4; 2 do. One request each: a too-long prompt is never retried as it was
+        srv.replies = [(status, body), (status, body), (200, fever)]
+        client = OpenAICompatible(srv.url, "m", api_key_env=None, max_retries=3, backoff_s=0.01, logprobs=False)
+        gen = client.generate(Task.FEVER, PromptStyle.SIMPLE, "a claim", passages, sample=False)
+        assert gen.label.value == "SUPPORTS" and len(srv.seen) == 3
+        shown = [sum(p in r["messages"][1]["content"] for p in passages) for r in srv.seen]
+        assert shown == [8, 4, 2]
+        # one passage that does not fit: the error says why, is not a client error (one prompt's problem,
+        # an evaluation goes on) and does not quote the body
+        srv.replies = [(status, body)]
+        with pytest.raises(GeneratorError) as err:
+            client.generate(Task.FEVER, PromptStyle.SIMPLE, "a claim", passages[:1], sample=False)
+    e = err.value
+    assert e.context_exceeded and not e.client_error and e.attempts == 1 and len(srv.seen) == 4
+    assert "does not fit the model's context" in str(e) and "not retried" in str(e)
+    assert "Context size" not in str(e) and "maximum context length" not in str(e)

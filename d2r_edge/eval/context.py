@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from d2r_edge.config import RewardConfig
+from d2r_edge.config import RewardConfig, RewardQuality
 from d2r_edge.errors import InputError
 from d2r_edge.eval.metrics import exact_match, fever_label, token_f1
 from d2r_edge.eval.outcomes import AttemptStore, CachedGenerator
@@ -37,6 +37,8 @@ class Method(str, Enum):
     LINUCB_UNCONSTRAINED = "linucb_unconstrained"
     LINUCB_STRINGENT = "linucb_stringent"
     LINUCB_RELAXED = "linucb_relaxed"
+    LINUCB_DETECTOR = "linucb_detector"
+    THOMPSON_DETECTOR = "thompson_detector"
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,19 @@ POLICY_METHODS = {
     Method.LINUCB_UNCONSTRAINED: PolicySpec("linucb", RewardConfig(gates=False)),
     Method.LINUCB_STRINGENT: PolicySpec("linucb", budget_factor=0.7),
     Method.LINUCB_RELAXED: PolicySpec("linucb", budget_factor=1.5),
+    # the reward's quality from the calibrated detector (fitted on the training queries) instead of Alg. 1
+    Method.LINUCB_DETECTOR: PolicySpec("linucb", RewardConfig(quality=RewardQuality.DETECTOR)),
+    Method.THOMPSON_DETECTOR: PolicySpec("thompson", RewardConfig(quality=RewardQuality.DETECTOR)),
 }
+# what `--methods` means when left out: every method that needs nothing beyond the run's flags (the
+# detector-reward policies need a detector the training queries can fit)
+DEFAULT_METHODS = tuple(m for m in Method if m not in (Method.LINUCB_DETECTOR, Method.THOMPSON_DETECTOR))
 FIXED_ARMS = {Method.PARAPHRASE: "prompt_paraphrase", Method.EXPANSION: "dense_k20"}
 
 
 def parse_methods(text: str | None) -> tuple[Method, ...]:
     if not text:
-        return tuple(Method)
+        return DEFAULT_METHODS
     out = []
     for name in (t.strip() for t in text.split(",") if t.strip()):
         try:

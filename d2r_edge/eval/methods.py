@@ -13,8 +13,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from d2r_edge.config import Budget
+from d2r_edge.config import Budget, RewardQuality
 from d2r_edge.detector import record_signals
+from d2r_edge.errors import InputError
 from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, Context, EvalQuery, Method, QueryFailed
 from d2r_edge.generate.openai_compat import GeneratorError
 from d2r_edge.pipeline import attempt_seconds
@@ -98,7 +99,7 @@ def arm_rewards(ctx: Context, queries: list[EvalQuery]) -> np.ndarray:
                                 kg_consistent=d.kg is KGStatus.CONSISTENT,
                                 nli_entailed=d.e_r is Entailment.ENTAILMENT, latency_s=cost.latency_s,
                                 device_mem_mib=cost.mem_growth_mib, budget=p.budget.for_attempt(attempt_seconds(first)),
-                                cfg=p.reward_cfg)
+                                cfg=p.reward_cfg, p_wrong=p.repaired_p_wrong(a))
             counts[arm] += 1
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
@@ -118,6 +119,9 @@ def policy_pipeline(ctx: Context, method: Method):
 
     spec = POLICY_METHODS[method]
     base = ctx.pipeline
+    if spec.reward.quality is RewardQuality.DETECTOR and base.detector is None:
+        raise InputError(f"--methods {method.value} rewards by the calibrated detector, which the training queries "
+                         "could not fit (see the warning above): give more --train queries or leave it out")
     budget = base.budget.scaled(spec.budget_factor) if spec.budget_factor != 1.0 else base.budget
     run = replace(ctx.settings.run, policy_kind=spec.kind, policy_path=None)
     policy, costs = load_policy(run, base.context)

@@ -48,15 +48,18 @@ class GeneratorError(D2RError):
     exit_code = 11
 
     def __init__(self, message: str, timed_out: bool = False, status: int | None = None,
-                 attempts: int = 0) -> None:
+                 attempts: int = 0, context_exceeded: bool = False) -> None:
         super().__init__(message)
         self.timed_out, self.status, self.attempts = timed_out, status, attempts
+        self.context_exceeded = context_exceeded    # this prompt is longer than the model's context
 
     @property
     def client_error(self) -> bool:
         """The upstream refused the request as such (a 4xx other than 429: a wrong key, model or request):
-        every request would meet it, where a timeout, a 5xx or a dropped connection may be this one's alone."""
-        return not self.timed_out and self.status is not None and 400 <= self.status < 500 and self.status != 429
+        every request would meet it, where a timeout, a 5xx, a dropped connection or a prompt too long for
+        the model's context may be this one's alone."""
+        return (not self.timed_out and not self.context_exceeded and self.status is not None
+                and 400 <= self.status < 500 and self.status != 429)
 
 
 def status_text(code: int) -> str:
@@ -91,6 +94,7 @@ class _Failure:
     timed_out: bool = False
     status: int | None = None
     wait_s: float | None = None      # the server's Retry-After
+    context_exceeded: bool = False   # the same prompt would fail again: not retried
 
 
 class _AttemptFailed(Exception):
@@ -185,6 +189,12 @@ class OpenAICompatible:
                 raise _RejectedJSONMode()
             if status == 400 and payload.get("logprobs") and "logprob" in text.lower():
                 raise _RejectedLogprobs()
+            if status in (400, 413, 500) and exceeds_context(text):
+                log.warning("generator at %s answered %s: the prompt does not fit the model's context",
+                            self.where, status_text(status))
+                raise _AttemptFailed(_Failure(f"upstream answered {status_text(status)}: the prompt does not fit "
+                                              "the model's context", retry=False, status=status,
+                                              context_exceeded=True))
             log.warning("generator at %s answered %s: %s", self.where, status_text(status), excerpt(text))
             raise _AttemptFailed(_Failure(f"upstream answered {status_text(status)}", retry=status in RETRY_STATUS,
                                           status=status, wait_s=retry_after_s(retry_after)))
@@ -218,7 +228,9 @@ class OpenAICompatible:
             if failure.timed_out and timeout_s < self.timeout_s:
                 failure = replace(failure, reason=failure.reason + " (the request's deadline)")
             if not failure.retry:
-                if failure.status is not None and 400 <= failure.status < 500:
+                if failure.context_exceeded:
+                    stop = "not retried: the same prompt would not fit again"
+                elif failure.status is not None and 400 <= failure.status < 500:
                     stop = "not retried: a client error (check the model name, the key and the URL)"
                 else:
                     stop = "not retried"
@@ -240,7 +252,7 @@ class OpenAICompatible:
         detail = f"; {stop}" if stop else ""
         raise GeneratorError(f"generator at {self.where}: {failure.reason} (attempt {attempts} of "
                              f"{self.max_retries + 1}){detail}", timed_out=failure.timed_out,
-                             status=failure.status, attempts=attempts)
+                             status=failure.status, attempts=attempts, context_exceeded=failure.context_exceeded)
 
     def complete(self, messages: list[dict], max_tokens: int | None = None, stop: list[str] | None = None,
                  json_mode: bool | None = None, temperature: float | None = None, seed: int | None = None,
@@ -286,9 +298,23 @@ class OpenAICompatible:
 
     def generate(self, task: Task, style: PromptStyle, query: str, passages: list[str],
                  sample: bool = True) -> Generation:
-        """One greedy answer; with `sample` and `samples` > 0, that many more at `sample_temperature`."""
-        prompt = build_prompt(task, style, query, passages)
-        out = self.complete([{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}])
+        """One greedy answer; with `sample` and `samples` > 0, that many more at `sample_temperature`.
+        A prompt the server says does not fit the model's context is asked again with the first half of
+        the passages (they come best first), down to one: the answer then reads fewer passages than the
+        arm retrieved (logged; the diagnosis still reads them all)."""
+        kept = list(passages)
+        while True:
+            prompt = build_prompt(task, style, query, kept)
+            try:
+                out = self.complete([{"role": "system", "content": prompt.system},
+                                     {"role": "user", "content": prompt.user}])
+                break
+            except GeneratorError as exc:
+                if not exc.context_exceeded or len(kept) <= 1:
+                    raise
+                log.warning("generator at %s: %d passages do not fit the model's context; asking with the first %d",
+                            self.where, len(kept), len(kept) // 2)
+                kept = kept[: len(kept) // 2]
         gen = parse_output(task, out.text)
         answer = gen.label.value if task.fact_verification and gen.label is not None else gen.response
         gen = replace(gen, logprobs=answer_logprobs(out.tokens, answer))
@@ -372,6 +398,18 @@ class _RejectedLogprobs(Exception):
 
 
 _JSON_MODE_WORDS = ("response_format", "json_object", "json mode", "json_schema", "grammar")
+
+
+# what llama.cpp's server, vLLM and OpenAI say of a prompt longer than the model's context
+_CONTEXT_WORDS = ("context size has been exceeded", "exceeds the available context size", "context_length_exceeded",
+                  "maximum context length", "exceed_context_size_error")
+
+
+def exceeds_context(body: str) -> bool:
+    """Whether an error body says the prompt does not fit the model's context (the body is read for
+    this, never forwarded)."""
+    text = body.lower()
+    return any(w in text for w in _CONTEXT_WORDS)
 
 
 def rejects_json_mode(body: str) -> bool:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from d2r_edge.config import Budget, RewardConfig
+from d2r_edge.config import Budget, RewardConfig, RewardQuality
 from d2r_edge.errors import PolicyError
 
 
 def reward(*, no_failure: bool, kg_consistent: bool, nli_entailed: bool, latency_s: float,
-           device_mem_mib: float, budget: Budget, cfg: RewardConfig = RewardConfig()) -> float:
+           device_mem_mib: float, budget: Budget, cfg: RewardConfig = RewardConfig(),
+           p_wrong: float | None = None) -> float:
     """Eq. 2: (1/4)(1_NF + 1_KG + 2*1_NLI) * prod_x 1[x <= B_x] * (1 - x/B_x).
+
+    `cfg.quality` DETECTOR puts the calibrated detector's 1 - P(wrong) of the repaired answer
+    (`p_wrong`) in place of the indicators; the cost terms are the same.
 
     `cfg.gates=False` drops the hard gates ("unconstrained" ablation),
     `cfg.cost_weighting=False` drops the (1 - x/B_x) terms ("unweighted").
@@ -19,7 +23,12 @@ def reward(*, no_failure: bool, kg_consistent: bool, nli_entailed: bool, latency
         if not isinstance(value, (int, float)) or value != value or value < 0:
             raise PolicyError(f"{name} must be a number >= 0, got {value!r}")
     budget = budget.absolute()
-    quality = 0.25 * (float(no_failure) + float(kg_consistent) + 2.0 * float(nli_entailed))
+    if cfg.quality is RewardQuality.DETECTOR:
+        if not isinstance(p_wrong, (int, float)) or not 0.0 <= p_wrong <= 1.0:
+            raise PolicyError(f"the detector reward needs the repaired answer's P(wrong) in [0, 1], got {p_wrong!r}")
+        quality = 1.0 - float(p_wrong)
+    else:
+        quality = 0.25 * (float(no_failure) + float(kg_consistent) + 2.0 * float(nli_entailed))
     factor = 1.0
     for used, limit in ((latency_s, budget.latency_s), (device_mem_mib, budget.device_mem_mib)):
         if cfg.gates and used > limit:
