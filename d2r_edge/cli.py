@@ -291,12 +291,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.limit:
         queries = queries[: args.limit]
     settings = _settings(args)
-    if settings.gate.value == "calibrated" and settings.detector_path is None:
-        raise InputError("--gate calibrated needs a fitted detector: give --detector FILE, or --policy P.npz "
-                         "trained with `d2r-edge train --gate calibrated` (it writes P.detector.json)")
-    if settings.reward.quality.value == "detector" and settings.detector_path is None:
-        raise InputError("--reward-quality detector needs a fitted detector: give --detector FILE, or --policy "
-                         "P.npz trained with `d2r-edge train --reward-quality detector` (it writes P.detector.json)")
+    _check_detector(settings)
     deadline_s = None
     if args.deadline_ms is not None:
         if not 0 < args.deadline_ms < 86_400_000:
@@ -326,10 +321,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_detector(settings) -> None:
+    """run and serve: what needs a fitted detector has one (train fits it itself)."""
+    if settings.gate.value == "calibrated" and settings.detector_path is None:
+        raise InputError("--gate calibrated needs a fitted detector: give --detector FILE, or --policy P.npz "
+                         "trained with `d2r-edge train --gate calibrated` (it writes P.detector.json)")
+    if settings.reward.quality.value == "detector" and settings.detector_path is None:
+        raise InputError("--reward-quality detector needs a fitted detector: give --detector FILE, or --policy "
+                         "P.npz trained with `d2r-edge train --reward-quality detector` (it writes P.detector.json)")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from d2r_edge.serve import ServeConfig, serve
 
     settings = _settings(args)
+    _check_detector(settings)    # before the port opens: not one failed request each
     if args.learn and settings.policy_path is not None:
         settings = dataclasses.replace(settings, create_policy=True)    # --learn may start the file
     config = ServeConfig(records_path=Path(args.records) if args.records else None, learn=args.learn,

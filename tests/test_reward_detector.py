@@ -117,6 +117,12 @@ def test_the_detector_reward_without_a_detector_says_how_to_get_one(tmp_path, ca
                  "--out", str(tmp_path / "out"), "--reward-quality", "detector"])
     assert code == InputError.exit_code
     assert "--reward-quality detector needs a fitted detector: give --detector FILE" in capsys.readouterr().err
+    # serve refuses before it opens the port, for the detector reward and the calibrated gate alike
+    for flags, says in ((["--reward-quality", "detector"], "--reward-quality detector needs"),
+                        (["--gate", "calibrated"], "--gate calibrated needs")):
+        code = main(["serve", "--kb", str(tmp_path / "kb"), "--task", "fever", "--port", "1", *flags])
+        assert code == InputError.exit_code
+        assert says in capsys.readouterr().err
 
 
 def test_the_cli_wires_the_flag():
