@@ -512,3 +512,35 @@ def test_per_file_detection_rows_name_files_that_share_a_name_apart():
                       "data/hotpotqa_fullwiki/dev.jsonl": "hotpotqa_fullwiki/dev.jsonl",
                       "data/fever/test.jsonl": "test.jsonl"}
     assert file_labels(["a/x.jsonl", "a/x.jsonl"]) == {"a/x.jsonl": "x.jsonl"}
+
+
+def test_the_arm_table_covers_the_queries_the_gate_repairs():
+    """Under the calibrated gate the arm table reads the gated queries (those whose every arm the outcome pass
+    computed), with Alg. 1's no_failure as a row; it used to read Alg. 1's flags, and so asked the generator for
+    arms of queries no method repairs (new generations in the report phase) while leaving gated ones out."""
+    from types import SimpleNamespace
+
+    from d2r_edge.eval.report import arm_table
+    from d2r_edge.repair import PipelineConfig
+
+    def attempt(failure, answer):
+        return SimpleNamespace(diagnosis=SimpleNamespace(failure=failure), answer=answer)
+
+    firsts = {"gated, Alg. 1 clean": attempt(FailureType.NO_FAILURE, "wrong"),
+              "not gated, Alg. 1 flags": attempt(FailureType.WRONG_RESPONSE, "wrong")}
+    asked = []
+
+    def arm_outcome(q, arm):
+        asked.append(q.text)
+        return attempt(FailureType.NO_FAILURE, "right"), SimpleNamespace(latency_s=1.0)
+
+    one_arm = np.zeros(len(ARM_NAMES), dtype=bool)
+    one_arm[ARM_NAMES.index("dense_k3")] = True
+    ctx = SimpleNamespace(
+        test=[SimpleNamespace(text=t) for t in firsts], first=lambda q: firsts[q.text],
+        repairs=lambda first: first is firsts["gated, Alg. 1 clean"], allowed=lambda first: one_arm,
+        arm_outcome=arm_outcome, answer=lambda a: a.answer, score=lambda q, ans: (float(ans == "right"), 0.0),
+        pipeline=SimpleNamespace(default=PipelineConfig(), effective=lambda cfg: cfg))
+    table = arm_table(ctx)
+    assert asked == ["gated, Alg. 1 clean"]
+    assert set(table) == {"no_failure"} and table["no_failure"]["dense_k3"]["fixed"] == 1

@@ -102,15 +102,17 @@ def diagnosis_table(ctx: Context) -> dict:
 
 
 def arm_table(ctx: Context) -> dict:
-    """Per failure type and arm, over the failing test queries where the arm is allowed:
-    accuracy after the arm, and flips against the first answer (what each arm does)."""
+    """Per failure type (Alg. 1's) and arm, over the test queries the gate sends to repair, where the
+    arm is allowed: accuracy after the arm, and flips against the first answer (what each arm does).
+    The gate's queries, not Alg. 1's: under the calibrated gate they differ (Alg. 1's `no_failure` is then
+    a row too), and these are the queries whose every arm the outcome pass computed for the oracle."""
     out: dict = defaultdict(dict)
     eff = {i: ctx.pipeline.effective(a.apply(ctx.pipeline.default)) for i, a in enumerate(ARMS)}
     for q in ctx.test:
         first = ctx.first(q)
-        ft = first.diagnosis.failure
-        if ft is FailureType.NO_FAILURE:
+        if not ctx.repairs(first):
             continue
+        ft = first.diagnosis.failure
         c0 = ctx.score(q, ctx.answer(first))[0]
         for arm in np.flatnonzero(ctx.allowed(first)):
             a, cost = ctx.arm_outcome(q, int(arm))
