@@ -163,7 +163,7 @@ class RewardQuality(str, Enum):
     """What the reward's quality term reads from the repaired answer."""
 
     ALG1 = "alg1"            # Eq. 2: (1/4)(1_NF + 1_KG + 2*1_NLI) of its Alg. 1 diagnosis (the paper)
-    DETECTOR = "detector"    # 1 - P(wrong) of the calibrated detector (needs one: `train --gate calibrated`)
+    DETECTOR = "detector"    # 1 - P(wrong) of the calibrated detector (needs one; `train` fits it first)
 
 
 @dataclass(frozen=True)
