@@ -257,3 +257,25 @@ class Live:
         import openai
 
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+
+
+class StubGenerator:
+    """A generator that answers every prompt "some text" / SUPPORTS (the pipeline tests' generator)."""
+
+    name = "stub"
+
+    def generate(self, task, style, query, passages, sample=True):
+        from d2r_edge.diagnose import Label
+        from d2r_edge.generate.base import Generation
+
+        return Generation("some text", Label.SUPPORTS, "raw")
+
+
+def top_score_detector():
+    """A FEVER detector that reads only the top retrieval score: 3 -> P(wrong) ~ 0.99, 1 -> ~ 0.01."""
+    from d2r_edge.detector import Detector, feature_names
+
+    names = feature_names(True)
+    w = np.zeros(len(names))
+    w[names.index("ret_top1")] = 5.0
+    return Detector(names, "fever", np.zeros(len(names)), np.ones(len(names)), w, -10.0, 0.5)

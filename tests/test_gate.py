@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 import pytest
+from stand_ins import StubGenerator, top_score_detector
 
 from d2r_edge.budget import CostModel, MemoryProbe, Meter
 from d2r_edge.config import ContextConfig
@@ -46,13 +47,6 @@ class _Retriever:
         return [Passage(0, "d0", "T", "some text", 3.0 if "wrong" in query else 1.0)]
 
 
-class _Generator:
-    name = "stub"
-
-    def generate(self, task, style, query, passages, sample=True):
-        return Generation("some text", Label.SUPPORTS, "raw")
-
-
 class _Diagnoser:
     def diagnose(self, query, passages, response, label, fact_verification):
         failure = FailureType.WRONG_RESPONSE if "flagged" in query else FailureType.NO_FAILURE
@@ -61,16 +55,9 @@ class _Diagnoser:
         return Diagnosis(failure, Entailment.ENTAILMENT, e_r, KGStatus.NO_TRIPLETS, label, label, probs, probs)
 
 
-def _detector() -> Detector:
-    names = feature_names(True)
-    w = np.zeros(len(names))
-    w[names.index("ret_top1")] = 5.0
-    return Detector(names, "fever", np.zeros(len(names)), np.ones(len(names)), w, -10.0, 0.5)
-
-
 def _pipeline(gate: Gate, detector: Detector | None) -> Pipeline:
     ctx = ContextBuilder(ContextConfig(embedding_dim=4, query_dim=None, p_wrong=gate is Gate.CALIBRATED))
-    return Pipeline(task=Task.FEVER, retriever=_Retriever(), generator=_Generator(), diagnoser=_Diagnoser(),
+    return Pipeline(task=Task.FEVER, retriever=_Retriever(), generator=StubGenerator(), diagnoser=_Diagnoser(),
                     policy=LinUCB(len(ARM_NAMES), ctx.dim, 2.0), context=ctx, costs=CostModel(len(ARM_NAMES)),
                     meter=Meter(MemoryProbe(prefer_device=False)), gate=gate, detector=detector)
 
@@ -81,7 +68,7 @@ CASES = {"wrong flagged": (True, True), "wrong clean": (False, True),
 
 @pytest.mark.parametrize("gate", list(Gate))
 def test_each_gate_repairs_what_it_should(gate):
-    p = _pipeline(gate, _detector())
+    p = _pipeline(gate, top_score_detector())
     for query, want in CASES.items():
         rec = p.run(query, learn=True)
         repaired = rec["repair"] is not None
@@ -425,7 +412,7 @@ def test_fever_findings_name_the_gated_and_the_pre_gate_first_answer_apart():
 
 
 def test_training_queries_get_out_of_fold_p_wrong_while_the_policy_learns():
-    det = _detector()
+    det = top_score_detector()
     p = _pipeline(Gate.CALIBRATED, det)
     in_sample = p.run("wrong clean", learn=False)["p_wrong"]
     assert in_sample > 0.9

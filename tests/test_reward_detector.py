@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from stand_ins import StubGenerator, top_score_detector
 
 from d2r_edge.budget import CostModel, MemoryProbe, Meter
 from d2r_edge.config import Budget, ContextConfig, RewardConfig, RewardQuality
-from d2r_edge.detector import Detector, Gate, feature_names
-from d2r_edge.diagnose import Diagnosis, Label
+from d2r_edge.detector import Detector, Gate
+from d2r_edge.diagnose import Diagnosis
 from d2r_edge.errors import ConfigError, InputError, PolicyError
-from d2r_edge.generate.base import Generation
 from d2r_edge.pipeline import Pipeline
 from d2r_edge.policy import LinUCB
 from d2r_edge.policy.features import ContextBuilder
@@ -56,13 +56,6 @@ class _Retriever:
         return [Passage(0, "d0", "T", "some text", 3.0 if cfg.top_k == PipelineConfig().retrieval.top_k else 1.0)]
 
 
-class _Generator:
-    name = "stub"
-
-    def generate(self, task, style, query, passages, sample=True):
-        return Generation("some text", Label.SUPPORTS, "raw")
-
-
 class _Diagnoser:
     def diagnose(self, query, passages, response, label, fact_verification):
         probs = [{"entailment": 0.1, "neutral": 0.8, "contradiction": 0.1}]
@@ -70,16 +63,9 @@ class _Diagnoser:
                          label, label, probs, probs)
 
 
-def _detector() -> Detector:
-    names = feature_names(True)
-    w = np.zeros(len(names))
-    w[names.index("ret_top1")] = 5.0
-    return Detector(names, "fever", np.zeros(len(names)), np.ones(len(names)), w, -10.0, 0.5)
-
-
 def _pipeline(quality: RewardQuality, detector: Detector | None) -> Pipeline:
     ctx = ContextBuilder(ContextConfig(embedding_dim=4, query_dim=None))
-    return Pipeline(task=Task.FEVER, retriever=_Retriever(), generator=_Generator(), diagnoser=_Diagnoser(),
+    return Pipeline(task=Task.FEVER, retriever=_Retriever(), generator=StubGenerator(), diagnoser=_Diagnoser(),
                     policy=LinUCB(len(ARM_NAMES), ctx.dim, 2.0), context=ctx, costs=CostModel(len(ARM_NAMES)),
                     meter=Meter(MemoryProbe(prefer_device=False)), budget=BUDGET, gate=Gate.PAPER,
                     detector=detector, reward_cfg=RewardConfig(quality=quality))
@@ -88,7 +74,7 @@ def _pipeline(quality: RewardQuality, detector: Detector | None) -> Pipeline:
 def test_a_repair_the_detector_trusts_earns_reward_where_eq2_gives_none():
     from d2r_edge.repair import ARMS
 
-    det, default_k = _detector(), PipelineConfig().retrieval.top_k
+    det, default_k = top_score_detector(), PipelineConfig().retrieval.top_k
     seen, learner = set(), _pipeline(RewardQuality.DETECTOR, det)    # one policy: it tries other arms in turn
     for i in range(len(ARM_NAMES)):
         query = f"claim {i}"
