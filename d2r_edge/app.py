@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from d2r_edge.budget import CostModel, MemoryProbe, Meter
-from d2r_edge.config import Budget, ContextConfig, ExplorationConfig, RewardConfig
+from d2r_edge.config import Budget, ContextConfig, ExplorationConfig, RewardConfig, RewardQuality
 from d2r_edge.detector import Detector, Gate
 from d2r_edge.diagnose import Diagnoser, ResponseNLI
 from d2r_edge.errors import ConfigError, PolicyFileError
@@ -97,9 +97,14 @@ class RunSettings:
                               f"got {self.response_nli!r}") from None
 
     @property
+    def needs_detector(self) -> bool:
+        """The calibrated gate or the detector reward: a fitted detector must be loaded (train fits one)."""
+        return self.gate is Gate.CALIBRATED or self.reward.quality is RewardQuality.DETECTOR
+
+    @property
     def effective_response_nli(self) -> ResponseNLI:
         """UNTIL_ENTAILED leaves pairs unscored; a detector's features read them all."""
-        if self.detector_path is not None or self.gate is Gate.CALIBRATED or self.reward.quality.value == "detector":
+        if self.detector_path is not None or self.needs_detector:
             return ResponseNLI.ALL
         return self.response_nli
 

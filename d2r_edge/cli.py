@@ -366,8 +366,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         queries = queries[: args.limit]
     settings = dataclasses.replace(_settings(args), create_policy=True)   # train may start the file
     pipeline = build_pipeline(settings)
-    needs_detector = settings.gate.value == "calibrated" or settings.reward.quality.value == "detector"
-    if needs_detector and pipeline.detector is None:
+    if settings.needs_detector and pipeline.detector is None:
         # the gate decides what is repaired (the detector reward scores the repairs), so the detector
         # is fitted before the policy learns
         path = detector_path(settings.policy_path)
