@@ -345,6 +345,7 @@ class Pipeline:
             "mask_fallback": masked.fallback, "arm": ARM_NAMES[arm], "arm_index": arm,
             "propensity": propensity, "explored": explored, "latency_s": cost.latency_s,
             "mem_growth_mib": cost.mem_growth_mib, "memory_kind": cost.memory_kind.value,
+            "memory_source": cost.memory_source.value,
             "over_budget": budget.exceeded_by(cost.latency_s, cost.mem_growth_mib),
             "budget": self.budget.describe(spent_s),
             "reward": r, "reward_quality": self.reward_cfg.quality.value, "p_wrong_after": p_wrong_after,

@@ -75,7 +75,7 @@ def test_fifty_claims_every_record_complete_and_resume_exact(world, tiny_models,
         if r["repair"]:
             rep = r["repair"]
             assert rep["arm"] and rep["latency_s"] >= 0 and 0 <= rep["reward"] <= 1
-            assert rep["memory_kind"] == "host" and rep["allowed"]
+            assert rep["memory_kind"] == "host" and rep["memory_source"] == "host-rss" and rep["allowed"]
             if r["first"]["gated_label"] == "UNVERIFIED":
                 assert len(rep["allowed"]) == 10 and not rep["arm"].startswith("prompt")   # 8 + second_hop + dense_k3
     failures = {r["failure"] for r in on_disk}

@@ -1,6 +1,7 @@
 """Issue 38's device check, one process: what the GPU path does on a real GPU, written as JSON.
 
-    python -m benchmarks.gpu.driver --out DIR [--models PROFILE_DIR] [--quick]
+    python -m benchmarks.gpu.driver --out DIR [--models PROFILE_DIR]... [--reference REF] [--run-models DIR]
+    python -m benchmarks.gpu.driver --write-reference REF --models PROFILE_DIR...   # on the build machine
 
 Sections (each says what it could not do and why, instead of failing the others):
 
@@ -10,8 +11,13 @@ Sections (each says what it could not do and why, instead of failing the others)
   the resolution, and how long one NVML read takes.
 - `masking`: a CostModel fed those measured growths as arms, masked at a few-MiB budget (paper: 6 MB):
   does the mask act on real NVML figures?
-- `onnx`: with ONNX Runtime's CUDA provider, each role of --models in fp16 on CUDA against fp32 on the
-  CPU (label agreement, max logit difference, latency per batch); without it, the providers there.
+- `onnx`: with ONNX Runtime's CUDA provider, each role (NLI, reranker, embedder) of each --models profile in
+  fp16 on CUDA against fp32 on a CPU (label agreement / pair-order agreement / cosine, max difference,
+  latency per batch of 32 demo pairs); fp32 runs there when its files were carried, else comes from
+  --reference (`--write-reference` on the machine that built the profile); without CUDA, the providers there.
+- `run`: a real `d2r-edge run` (demo KB, extractive generator, --run-models in fp16) in its own process, at a
+  --budget-mib device-memory budget: per arm, what the meter recorded (kind, source, growth) and what the
+  cost model masked.
 - `select`: LinUCB select p50 at d = 147 / 786, 11 arms, after 300 updates, on this machine's CPU.
 
 Without a GPU (CI, this VM) every section still runs and reports the CPU fallback, which is what
@@ -27,6 +33,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -131,48 +138,204 @@ def masking(meter_section: dict, budget_mib: float = 6.0) -> dict:
                                                 for r, a in zip(rows, res.allowed)], "fallback": res.fallback}
 
 
-def onnx_parity(models: Path | None, batches: int = 20) -> dict:
-    """fp16 on CUDA vs fp32 on the CPU for each role of a profile; or why it cannot run here."""
+ROLES = ("nli", "reranker", "embedder")
+
+
+def probe_inputs() -> tuple[list[tuple[str, str]], list[str]]:
+    """32 (passage, claim) pairs and 32 texts from the bundled demo data: real sentences, same everywhere."""
+    import d2r_edge
+
+    demo = Path(d2r_edge.__file__).parent / "data" / "demo"
+    docs = [json.loads(line) for line in (demo / "docs.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    claims = [json.loads(line)["claim"] for line in (demo / "claims.jsonl").read_text(encoding="utf-8").splitlines()
+              if line]
+    passages = [f"{d['title']}\n{d['text']}" for d in docs]
+    pairs = [(passages[i % len(passages)], claims[(5 * i) % len(claims)]) for i in range(32)]
+    texts = (passages + claims)[:32]
+    return pairs, texts
+
+
+def _encoder(role: str, manifest, variant, device, allow_random: bool = True):
+    from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
+    from d2r_edge.onnx.session import SessionConfig
+
+    cls = {"nli": NLI, "reranker": CrossEncoder, "embedder": Embedder}[role]
+    return cls(manifest, variant=variant, allow_random_weights=allow_random, session=SessionConfig(device=device))
+
+
+def _outputs(role: str, enc, pairs, texts) -> np.ndarray:
+    if role == "nli":
+        return enc.logits(pairs)
+    if role == "reranker":
+        return enc.score_pairs(pairs)
+    return enc.encode(texts)
+
+
+def _ms_per_batch(role: str, enc, pairs, texts, batches: int) -> float:
+    _outputs(role, enc, pairs, texts)                       # warm-up (CUDA: kernels, arena)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        _outputs(role, enc, pairs, texts)
+    return (time.perf_counter() - t0) / batches * 1e3
+
+
+def _profile_name(models: Path) -> str:
+    from d2r_edge.onnx.manifest import load_manifest
+
+    return str(load_manifest(models).profile or models.name)
+
+
+def compare(role: str, ref: np.ndarray, got: np.ndarray) -> dict:
+    """How far `got` (fp16 on the device) is from `ref` (fp32 on a CPU), in the terms each role is used in."""
+    ref, got = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    row = {"max_abs_diff": float(np.max(np.abs(ref - got)))}
+    if role == "nli":
+        row["label_agreement"] = float(np.mean(ref.argmax(1) == got.argmax(1)))
+    elif role == "reranker":                   # order of every pair of passages, as reranking uses it
+        i, j = np.triu_indices(len(ref), 1)
+        row["pair_order_agreement"] = float(np.mean(np.sign(ref[i] - ref[j]) == np.sign(got[i] - got[j])))
+    else:
+        cos = np.sum(ref * got, axis=1) / np.maximum(np.linalg.norm(ref, axis=1) * np.linalg.norm(got, axis=1),
+                                                     1e-12)
+        row["min_cosine"], row["mean_cosine"] = float(cos.min()), float(cos.mean())
+    return row
+
+
+def write_reference(models: list[Path], out: Path, batches: int = 10) -> dict:
+    """fp32 outputs on this machine's CPU for the probe inputs, with CPU latencies (fp32, int8) per role.
+
+    The device check carries only fp16 files of the big profiles (what one call may carry is small) and
+    compares them with these outputs; `out`.npz holds arrays only (loaded without pickle)."""
+    from d2r_edge.onnx.manifest import Variant, load_manifest
+    from d2r_edge.onnx.session import Device
+
+    pairs, texts = probe_inputs()
+    arrays, meta = {}, {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                    "onnxruntime": _versions()["onnxruntime"]}, "roles": {}}
+    for models_dir in models:
+        manifest, name = load_manifest(models_dir), _profile_name(models_dir)
+        for role in ROLES:
+            row = {}
+            for variant in (Variant.FP32, Variant.INT8):
+                try:
+                    enc = _encoder(role, manifest, variant, Device.CPU)
+                except Exception as exc:
+                    row[f"cpu_{variant.value}"] = f"unavailable ({type(exc).__name__})"
+                    continue
+                if variant is Variant.FP32:
+                    arrays[f"{name}/{role}"] = _outputs(role, enc, pairs, texts)
+                row[f"cpu_{variant.value}_ms_per_batch_of_32"] = _ms_per_batch(role, enc, pairs, texts, batches)
+            meta["roles"][f"{name}/{role}"] = row
+    np.savez(out.with_suffix(".npz"), **arrays)
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    return meta
+
+
+def onnx_parity(models: list[Path], reference: Path | None = None, batches: int = 20, device=None) -> dict:
+    """fp16 on CUDA vs fp32 on a CPU for each role of each profile; or why it cannot run here.
+
+    The fp32 side runs here when the profile's fp32 files are present, else comes from `reference`
+    (write_reference's outputs of the same inputs on the CPU where the profile was built)."""
     try:
         import onnxruntime as ort
     except Exception as exc:
         return {"skipped": f"onnxruntime unavailable ({type(exc).__name__})"}
-    providers = ort.get_available_providers()
-    if "CUDAExecutionProvider" not in providers:
-        return {"skipped": f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (providers: "
-                           f"{', '.join(providers)}): the CPU build, or a GPU build whose CUDA/cuDNN libraries "
-                           f"are not found"}
+    from d2r_edge.onnx.manifest import Variant, load_manifest
+    from d2r_edge.onnx.session import Device, on_cuda, resolve_device
+
+    if device is None:
+        device, why = resolve_device(Device.AUTO)       # the runtime's own choice, and its reason
+        if device is not Device.CUDA:
+            return {"skipped": f"no CUDA for ONNX Runtime {ort.__version__} here: {why} (providers: "
+                               f"{', '.join(ort.get_available_providers())})"}
+    ref_arrays, ref_meta = {}, {}
+    if reference is not None and reference.with_suffix(".npz").is_file():
+        with np.load(reference.with_suffix(".npz"), allow_pickle=False) as z:
+            ref_arrays = {k: z[k] for k in z.files}
+        ref_meta = json.loads(reference.with_suffix(".json").read_text(encoding="utf-8"))
+    pairs, texts = probe_inputs()
+    out = {"device": device.value, "reference_machine": ref_meta.get("machine")}
+    for models_dir in models:
+        if not (models_dir / "manifest.json").is_file():
+            out[str(models_dir)] = {"skipped": f"no exported profile at {models_dir}"}
+            continue
+        manifest, name = load_manifest(models_dir), _profile_name(models_dir)
+        for role in ROLES:
+            key = f"{name}/{role}"
+            try:
+                dev = _encoder(role, manifest, Variant.FP16, device)
+            except Exception as exc:
+                out[key] = {"skipped": f"fp16: {type(exc).__name__}: {str(exc)[:300]}"}
+                continue
+            got = _outputs(role, dev, pairs, texts)
+            row = {"provider_loaded": dev.session.get_providers()[0], "cuda": on_cuda(dev.session)}
+            try:
+                cpu = _encoder(role, manifest, Variant.FP32, Device.CPU)
+                ref, row["reference"] = _outputs(role, cpu, pairs, texts), "fp32 on this machine's CPU"
+                row["here_cpu_fp32_ms_per_batch_of_32"] = _ms_per_batch(role, cpu, pairs, texts, max(2, batches // 4))
+            except Exception as exc:
+                if key not in ref_arrays:
+                    out[key] = {**row, "skipped": f"no fp32 here ({type(exc).__name__}) and none in the reference"}
+                    continue
+                ref, row["reference"] = ref_arrays[key], "fp32 on the reference machine's CPU"
+            row.update(compare(role, ref, got))
+            row[f"{device.value}_fp16_ms_per_batch_of_32"] = _ms_per_batch(role, dev, pairs, texts, batches)
+            for k, v in (ref_meta.get("roles", {}).get(key) or {}).items():
+                row[f"reference_{k}"] = v
+            out[key] = row
+    return out
+
+
+def demo_run(models: Path | None, work: Path, budget_mib: float = 6.0, variant: str = "fp16") -> dict:
+    """A real `d2r-edge run` (demo KB, extractive generator) in its own process; what each repair arm's
+    meter recorded: memory kind and source, growth per arm, which arms the cost model masked at `budget_mib`."""
     if models is None or not (models / "manifest.json").is_file():
         return {"skipped": f"no exported profile at {models}"}
-    from d2r_edge.onnx.encoders import NLI, CrossEncoder
-    from d2r_edge.onnx.manifest import Variant, load_manifest
-    from d2r_edge.onnx.session import Device, SessionConfig, on_cuda
+    import d2r_edge
 
-    manifest = load_manifest(models)
-    rng = np.random.default_rng(0)
-    words = "the a city river band film born year capital album was is in of by".split()
-    pairs = [(" ".join(rng.choice(words, 40)), " ".join(rng.choice(words, 12))) for _ in range(32)]
-    out = {}
-    for role, cls, score in (("nli", NLI, "score"), ("reranker", CrossEncoder, "score_pairs")):
-        try:
-            cpu = cls(manifest, variant=Variant.FP32, allow_random_weights=True,
-                      session=SessionConfig(device=Device.CPU))
-            gpu = cls(manifest, variant=Variant.FP16, allow_random_weights=True,
-                      session=SessionConfig(device=Device.CUDA))
-        except Exception as exc:
-            out[role] = {"skipped": f"{type(exc).__name__}: {exc}"}
-            continue
-        a, b = np.asarray(getattr(cpu, score)(pairs)), np.asarray(getattr(gpu, score)(pairs))
-        row = {"cuda_provider_loaded": on_cuda(gpu.session), "max_abs_diff": float(np.max(np.abs(a - b)))}
-        if a.ndim == 2:
-            row["label_agreement"] = float(np.mean(a.argmax(1) == b.argmax(1)))
-        for name, enc in (("cpu_fp32", cpu), ("cuda_fp16", gpu)):
-            getattr(enc, score)(pairs)
-            t0 = time.perf_counter()
-            for _ in range(batches):
-                getattr(enc, score)(pairs)
-            row[f"{name}_ms_per_batch_of_32"] = (time.perf_counter() - t0) / batches * 1e3
-        out[role] = row
+    demo = Path(d2r_edge.__file__).parent / "data" / "demo"
+    cli = [sys.executable, "-m", "d2r_edge.cli"]
+    work.mkdir(parents=True, exist_ok=True)
+    kb, records = work / "kb", work / "fever.jsonl"
+    shutil.rmtree(kb, ignore_errors=True)
+    records.unlink(missing_ok=True)
+    common = ["--models", str(models), "--variant", variant, "--allow-random-weights"]
+    steps = {"index_build": cli + ["index", "build", "--kb", str(kb), "--docs", str(demo / "docs.jsonl"), *common],
+             "run": cli + ["run", "--kb", str(kb), "--task", "fever", "--queries", str(demo / "claims.jsonl"),
+                           "--out", str(records), "--budget-mem-mib", str(budget_mib), *common]}
+    out = {"budget_mib": budget_mib, "variant": variant}
+    for name, cmd in steps.items():
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        out[f"{name}_s"] = time.perf_counter() - t0
+        out[f"{name}_log_tail"] = [line for line in proc.stderr.splitlines()
+                                   if "ONNX Runtime on" in line or "device memory" in line or "Error" in line][-6:]
+        if proc.returncode != 0:
+            out[f"{name}_failed"] = f"exit {proc.returncode}: {proc.stderr[-1500:]}"
+            return out
+    reps, firsts = [], []
+    for line in records.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        first = (rec.get("first") or {}).get("timings_s") or {}
+        if "mem_growth_mib" in first:
+            firsts.append(first["mem_growth_mib"])
+        if rec.get("repair"):
+            reps.append(rec["repair"])
+    per_arm: dict[str, list[float]] = {}
+    for rep in reps:
+        per_arm.setdefault(rep["arm"], []).append(rep["mem_growth_mib"])
+    out.update({
+        "queries": len(firsts), "repairs": len(reps),
+        "memory_kind": sorted({r.get("memory_kind") for r in reps}),
+        "memory_source": sorted({str(r.get("memory_source")) for r in reps}),
+        "first_attempt_mem_growth_mib": {"max": max(firsts, default=None),
+                                         "nonzero": sum(1 for g in firsts if g > 0)},
+        "per_arm_mem_growth_mib": {a: {"n": len(g), "min": min(g), "max": max(g)} for a, g in per_arm.items()},
+        "cost_masked": sorted({a for r in reps for a in r.get("cost_masked", [])}),
+        "mask_fallbacks": sum(1 for r in reps if r.get("mask_fallback")),
+        "over_budget": sum(1 for r in reps if r.get("over_budget")),
+        "repair_latency_s": {a: float(np.median([r["latency_s"] for r in reps if r["arm"] == a])) for a in per_arm},
+    })
     return out
 
 
@@ -201,14 +364,28 @@ def select_bench(dims=(147, 786), arms: int = 11, updates: int = 300, calls: int
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--models", type=Path, default=None, help="an exported profile (fp16 and fp32 variants)")
+    ap.add_argument("--models", type=Path, action="append", default=[],
+                    help="an exported profile with fp16 files (repeatable): parity and latency per role")
+    ap.add_argument("--reference", type=Path, default=None,
+                    help="write_reference's output (path without suffix): fp32 CPU outputs for profiles "
+                         "carried without their fp32 files")
+    ap.add_argument("--write-reference", type=Path, default=None, metavar="PATH",
+                    help="only write the fp32 CPU reference of --models to PATH.npz/.json and exit")
+    ap.add_argument("--run-models", type=Path, default=None, help="profile for the real `d2r-edge run` section")
+    ap.add_argument("--budget-mib", type=float, default=6.0, help="device-memory budget per repair (paper: 6 MB)")
     ap.add_argument("--quick", action="store_true", help="fewer reads / calls (the CPU-fallback test)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.write_reference is not None:
+        write_reference(args.models, args.write_reference, batches=2 if args.quick else 10)
+        log.info("wrote %s.npz/.json", args.write_reference)
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"env": env()}
     sections = {"meter": lambda: meter(reads=50 if args.quick else 1000),
-                "onnx": lambda: onnx_parity(args.models, batches=2 if args.quick else 20),
+                "onnx": lambda: onnx_parity(args.models, args.reference, batches=2 if args.quick else 20),
+                "run": lambda: demo_run(args.run_models, args.out / "run", budget_mib=args.budget_mib,
+                                        variant="int8" if args.quick else "fp16"),
                 "select": lambda: select_bench(updates=30 if args.quick else 300, calls=50 if args.quick else 2000)}
     for name, run in sections.items():
         t0 = time.perf_counter()
@@ -219,8 +396,8 @@ def main(argv=None) -> int:
             result[name] = {"error": f"{type(exc).__name__}: {exc}"}
         log.info("%s: %.1f s", name, time.perf_counter() - t0)
         if name == "meter":
-            result["masking"] = masking(result["meter"])
-    (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+            result["masking"] = masking(result["meter"], budget_mib=args.budget_mib)
+        (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
     log.info("wrote %s", args.out / "gpu_check.json")
     return 0
 
