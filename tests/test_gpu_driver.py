@@ -42,8 +42,9 @@ def test_parity_against_a_reference_made_elsewhere(tmp_path, tiny_models):
     Here the same code path runs with the fp16 files on the CPU provider."""
     ref = tmp_path / "ref"
     write_reference([tiny_models], ref, batches=1)
-    assert set(json.loads(ref.with_suffix(".json").read_text())["roles"]) == {
-        "tiny/nli", "tiny/reranker", "tiny/embedder"}
+    meta = json.loads(ref.with_suffix(".json").read_text())
+    assert set(meta["roles"]) == {"tiny/nli", "tiny/reranker", "tiny/embedder"}
+    assert meta["run"]["queries"] == 16 and meta["run"]["variant"] == "int8" and meta["run"]["query_s"]["p50"] > 0
     carried = tmp_path / "tiny"                      # as carried: the NLI without its fp32 files
     shutil.copytree(tiny_models, carried)
     shutil.rmtree(carried / "nli" / "fp32")

@@ -34,6 +34,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -202,7 +203,8 @@ def compare(role: str, ref: np.ndarray, got: np.ndarray) -> dict:
 
 
 def write_reference(models: list[Path], out: Path, batches: int = 10) -> dict:
-    """fp32 outputs on this machine's CPU for the probe inputs, with CPU latencies (fp32, int8) per role.
+    """fp32 outputs on this machine's CPU for the probe inputs, with CPU latencies (fp32, int8) per role, and
+    the demo run (`demo_run`, int8) of the first profile on this CPU.
 
     The device check carries only fp16 files of the big profiles (what one call may carry is small) and
     compares them with these outputs; `out`.npz holds arrays only (loaded without pickle)."""
@@ -226,6 +228,9 @@ def write_reference(models: list[Path], out: Path, batches: int = 10) -> dict:
                     arrays[f"{name}/{role}"] = _outputs(role, enc, pairs, texts)
                 row[f"cpu_{variant.value}_ms_per_batch_of_32"] = _ms_per_batch(role, enc, pairs, texts, batches)
             meta["roles"][f"{name}/{role}"] = row
+    if models:                # the loop on this CPU, int8 (what a CPU runs), beside the device's fp16 run
+        with tempfile.TemporaryDirectory() as work:
+            meta["run"] = demo_run(models[0], Path(work), variant="int8")
     np.savez(out.with_suffix(".npz"), **arrays)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     return meta
@@ -313,19 +318,23 @@ def demo_run(models: Path | None, work: Path, budget_mib: float = 6.0, variant: 
         if proc.returncode != 0:
             out[f"{name}_failed"] = f"exit {proc.returncode}: {proc.stderr[-1500:]}"
             return out
-    reps, firsts = [], []
+    from d2r_edge.pipeline import stage_seconds
+
+    reps, firsts, query_s = [], [], []
     for line in records.read_text(encoding="utf-8").splitlines():
         rec = json.loads(line)
         first = (rec.get("first") or {}).get("timings_s") or {}
         if "mem_growth_mib" in first:
             firsts.append(first["mem_growth_mib"])
+        query_s.append(stage_seconds(first) + ((rec.get("repair") or {}).get("latency_s") or 0.0))
         if rec.get("repair"):
             reps.append(rec["repair"])
     per_arm: dict[str, list[float]] = {}
     for rep in reps:
         per_arm.setdefault(rep["arm"], []).append(rep["mem_growth_mib"])
     out.update({
-        "queries": len(firsts), "repairs": len(reps),
+        "queries": len(query_s), "repairs": len(reps),
+        "query_s": {"p50": float(np.median(query_s)) if query_s else None, "max": max(query_s, default=None)},
         "memory_kind": sorted({r.get("memory_kind") for r in reps}),
         "memory_source": sorted({str(r.get("memory_source")) for r in reps}),
         "first_attempt_mem_growth_mib": {"max": max(firsts, default=None),
@@ -395,6 +404,10 @@ def main(argv=None) -> int:
             log.exception("section %s failed", name)
             result[name] = {"error": f"{type(exc).__name__}: {exc}"}
         log.info("%s: %.1f s", name, time.perf_counter() - t0)
+        if name == "run" and isinstance(result["run"], dict) and args.reference is not None:
+            ref_json = args.reference.with_suffix(".json")
+            if ref_json.is_file():
+                result["run"]["reference_cpu_run"] = json.loads(ref_json.read_text(encoding="utf-8")).get("run")
         if name == "meter":
             result["masking"] = masking(result["meter"], budget_mib=args.budget_mib)
         (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
