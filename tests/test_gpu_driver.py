@@ -20,6 +20,8 @@ def test_the_check_runs_without_a_gpu_and_says_so(tmp_path, tiny_models):
     assert set(r) == {"env", "meter", "masking", "onnx", "run", "select"}
     # the real `d2r-edge run` ran in its own process on every demo claim and its records were read
     assert r["run"]["queries"] == 16 and "run_failed" not in r["run"] and r["run"]["budget_mib"] == 6.0
+    # what comes back from the device is OUT's files alone, at most 8: the KB stays in a scratch folder
+    assert (tmp_path / "run-records.jsonl").is_file() and len(list(tmp_path.rglob("*"))) <= 8
     assert r["env"]["cpus"] >= 1 and "onnxruntime" in r["env"]["versions"]
     if r["meter"]["memory_kind"] == "host":                   # no NVML here: RSS, and nothing allocated on a GPU
         assert "no CUDA device" in r["meter"]["allocations"] and r["masking"]["skipped"]
