@@ -29,6 +29,52 @@ def test_cuda_when_usable(monkeypatch):
     assert providers[-1] == "CPUExecutionProvider"
 
 
+class _FakeORT:
+    """onnxruntime-gpu as pip installs it: the CUDA provider is listed; preload_dlls prints what it misses."""
+
+    def __init__(self):
+        self.preloads = 0
+
+    def get_available_providers(self):
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    def preload_dlls(self):
+        self.preloads += 1
+        print("Failed to load /x/nvidia/cudnn/lib/libcudnn.so.9: cannot open shared object file")
+
+
+class _FakeNVML:
+    def __init__(self, count=None):
+        self.count = count
+
+    def nvmlInit(self):
+        if self.count is None:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    def nvmlDeviceGetCount(self):
+        return self.count
+
+    def nvmlShutdown(self):
+        pass
+
+
+@pytest.mark.parametrize("gpus, usable, preloads", [(1, True, 1), (0, False, 0), (None, False, 0)])
+def test_cuda_libraries_from_wheels_are_preloaded_only_with_a_gpu(monkeypatch, capsys, gpus, usable, preloads):
+    """Without preload_dlls the CUDA provider cannot find pip's CUDA/cuDNN (RUNPATH is its own folder) and
+    every session quietly runs on the CPU; on a machine without a GPU nothing is loaded."""
+    import sys
+
+    ort = _FakeORT()
+    monkeypatch.setattr(sess, "_ort", lambda: ort)
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNVML(gpus))
+    sess._cuda_usable.cache_clear()
+    try:
+        assert sess._cuda_usable()[0] is usable and ort.preloads == preloads
+    finally:
+        sess._cuda_usable.cache_clear()
+    assert capsys.readouterr().out == ""            # ORT's prints do not reach a CLI's stdout
+
+
 def test_this_machine_choice_is_logged_once(tiny_models, caplog):
     from d2r_edge.onnx.encoders import Embedder
     from d2r_edge.onnx.manifest import load_manifest

@@ -8,6 +8,8 @@ grows by what is requested (the default power-of-two growth would swamp a
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 from dataclasses import dataclass
@@ -91,7 +93,29 @@ def _cuda_usable() -> tuple[bool, str]:
         return False, f"no NVIDIA driver/GPU visible ({type(exc).__name__})"
     if count == 0:
         return False, "NVML sees no GPU"
+    _preload_cuda_libraries(ort)
     return True, f"{count} GPU(s) visible"
+
+
+def _preload_cuda_libraries(ort) -> None:
+    """Load CUDA/cuDNN from the nvidia-* wheels (`pip install onnxruntime-gpu[cuda,cudnn]`) before any session.
+
+    The CUDA provider's library searches only its own folder (RUNPATH $ORIGIN) and the loader path: CUDA
+    libraries that came as wheels are found only through `onnxruntime.preload_dlls`, else the provider
+    fails to load and sessions run on the CPU. Best effort (system CUDA on the loader path needs none of
+    it); ORT prints what it could not load, which goes to the debug log instead of stdout.
+    """
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None:         # ORT < 1.21
+        return
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):
+            preload()
+    except Exception as exc:    # RuntimeError for a missing folder, OSError from ctypes
+        log.debug("onnxruntime.preload_dlls: %s: %s", type(exc).__name__, exc)
+    if said.getvalue().strip():
+        log.debug("onnxruntime.preload_dlls: %s", " ".join(said.getvalue().split())[:500])
 
 
 def resolve_device(requested: Device) -> tuple[Device, str]:
