@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from benchmarks.gpu.driver import compare, main, masking, onnx_parity, write_reference
+from benchmarks.gpu.driver import compare, load_reference, main, masking, onnx_parity, write_reference
 from d2r_edge.onnx.session import Device
 
 
@@ -50,7 +50,7 @@ def test_parity_against_a_reference_made_elsewhere(tmp_path, tiny_models):
     carried = tmp_path / "tiny"                      # as carried: the NLI without its fp32 files
     shutil.copytree(tiny_models, carried)
     shutil.rmtree(carried / "nli" / "fp32")
-    out = onnx_parity([carried], ref, batches=1, device=Device.CPU)
+    out = onnx_parity([carried], load_reference(ref), batches=1, device=Device.CPU)
     nli, emb = out["tiny/nli"], out["tiny/embedder"]
     assert nli["reference"] == "fp32 on the reference machine's CPU" and not nli["cuda"]
     assert emb["reference"] == "fp32 on this machine's CPU"

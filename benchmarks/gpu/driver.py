@@ -142,11 +142,16 @@ def masking(meter_section: dict, budget_mib: float = 6.0) -> dict:
 ROLES = ("nli", "reranker", "embedder")
 
 
-def probe_inputs() -> tuple[list[tuple[str, str]], list[str]]:
-    """32 (passage, claim) pairs and 32 texts from the bundled demo data: real sentences, same everywhere."""
+def _demo_dir() -> Path:
+    """The demo documents and claims shipped inside the package."""
     import d2r_edge
 
-    demo = Path(d2r_edge.__file__).parent / "data" / "demo"
+    return Path(d2r_edge.__file__).parent / "data" / "demo"
+
+
+def probe_inputs() -> tuple[list[tuple[str, str]], list[str]]:
+    """32 (passage, claim) pairs and 32 texts from the bundled demo data: real sentences, same everywhere."""
+    demo = _demo_dir()
     docs = [json.loads(line) for line in (demo / "docs.jsonl").read_text(encoding="utf-8").splitlines() if line]
     claims = [json.loads(line)["claim"] for line in (demo / "claims.jsonl").read_text(encoding="utf-8").splitlines()
               if line]
@@ -180,10 +185,8 @@ def _ms_per_batch(role: str, enc, pairs, texts, batches: int) -> float:
     return (time.perf_counter() - t0) / batches * 1e3
 
 
-def _profile_name(models: Path) -> str:
-    from d2r_edge.onnx.manifest import load_manifest
-
-    return str(load_manifest(models).profile or models.name)
+def _profile_name(manifest, models: Path) -> str:
+    return str(manifest.profile or models.name)
 
 
 def compare(role: str, ref: np.ndarray, got: np.ndarray) -> dict:
@@ -215,7 +218,8 @@ def write_reference(models: list[Path], out: Path, batches: int = 10) -> dict:
     arrays, meta = {}, {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                     "onnxruntime": _versions()["onnxruntime"]}, "roles": {}}
     for models_dir in models:
-        manifest, name = load_manifest(models_dir), _profile_name(models_dir)
+        manifest = load_manifest(models_dir)
+        name = _profile_name(manifest, models_dir)
         for role in ROLES:
             row = {}
             for variant in (Variant.FP32, Variant.INT8):
@@ -236,11 +240,21 @@ def write_reference(models: list[Path], out: Path, batches: int = 10) -> dict:
     return meta
 
 
-def onnx_parity(models: list[Path], reference: Path | None = None, batches: int = 20, device=None) -> dict:
+def load_reference(path: Path | None) -> tuple[dict[str, np.ndarray], dict]:
+    """write_reference's arrays (loaded without pickle) and metadata; empty when there is none."""
+    if path is None or not path.with_suffix(".npz").is_file():
+        return {}, {}
+    with np.load(path.with_suffix(".npz"), allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    return arrays, json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
+
+
+def onnx_parity(models: list[Path], reference: tuple[dict, dict] = ({}, {}), batches: int = 20,
+                device=None) -> dict:
     """fp16 on CUDA vs fp32 on a CPU for each role of each profile; or why it cannot run here.
 
     The fp32 side runs here when the profile's fp32 files are present, else comes from `reference`
-    (write_reference's outputs of the same inputs on the CPU where the profile was built)."""
+    (load_reference: write_reference's outputs of the same inputs on the CPU where the profile was built)."""
     try:
         import onnxruntime as ort
     except Exception as exc:
@@ -253,18 +267,15 @@ def onnx_parity(models: list[Path], reference: Path | None = None, batches: int 
         if device is not Device.CUDA:
             return {"skipped": f"no CUDA for ONNX Runtime {ort.__version__} here: {why} (providers: "
                                f"{', '.join(ort.get_available_providers())})"}
-    ref_arrays, ref_meta = {}, {}
-    if reference is not None and reference.with_suffix(".npz").is_file():
-        with np.load(reference.with_suffix(".npz"), allow_pickle=False) as z:
-            ref_arrays = {k: z[k] for k in z.files}
-        ref_meta = json.loads(reference.with_suffix(".json").read_text(encoding="utf-8"))
+    ref_arrays, ref_meta = reference
     pairs, texts = probe_inputs()
     out = {"device": device.value, "reference_machine": ref_meta.get("machine")}
     for models_dir in models:
         if not (models_dir / "manifest.json").is_file():
             out[str(models_dir)] = {"skipped": f"no exported profile at {models_dir}"}
             continue
-        manifest, name = load_manifest(models_dir), _profile_name(models_dir)
+        manifest = load_manifest(models_dir)
+        name = _profile_name(manifest, models_dir)
         for role in ROLES:
             key = f"{name}/{role}"
             try:
@@ -296,9 +307,7 @@ def demo_run(models: Path | None, work: Path, budget_mib: float = 6.0, variant: 
     meter recorded: memory kind and source, growth per arm, which arms the cost model masked at `budget_mib`."""
     if models is None or not (models / "manifest.json").is_file():
         return {"skipped": f"no exported profile at {models}"}
-    import d2r_edge
-
-    demo = Path(d2r_edge.__file__).parent / "data" / "demo"
+    demo = _demo_dir()
     cli = [sys.executable, "-m", "d2r_edge.cli"]
     work.mkdir(parents=True, exist_ok=True)
     kb, records = work / "kb", work / "fever.jsonl"
@@ -330,8 +339,10 @@ def demo_run(models: Path | None, work: Path, budget_mib: float = 6.0, variant: 
         if rec.get("repair"):
             reps.append(rec["repair"])
     per_arm: dict[str, list[float]] = {}
+    latency: dict[str, list[float]] = {}
     for rep in reps:
         per_arm.setdefault(rep["arm"], []).append(rep["mem_growth_mib"])
+        latency.setdefault(rep["arm"], []).append(rep["latency_s"])
     out.update({
         "queries": len(query_s), "repairs": len(reps),
         "query_s": {"p50": float(np.median(query_s)) if query_s else None, "max": max(query_s, default=None)},
@@ -343,7 +354,7 @@ def demo_run(models: Path | None, work: Path, budget_mib: float = 6.0, variant: 
         "cost_masked": sorted({a for r in reps for a in r.get("cost_masked", [])}),
         "mask_fallbacks": sum(1 for r in reps if r.get("mask_fallback")),
         "over_budget": sum(1 for r in reps if r.get("over_budget")),
-        "repair_latency_s": {a: float(np.median([r["latency_s"] for r in reps if r["arm"] == a])) for a in per_arm},
+        "repair_latency_s": {a: float(np.median(t)) for a, t in latency.items()},
     })
     return out
 
@@ -402,8 +413,9 @@ def main(argv=None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"env": env()}
+    reference = load_reference(args.reference)
     sections = {"meter": lambda: meter(reads=50 if args.quick else 1000),
-                "onnx": lambda: onnx_parity(args.models, args.reference, batches=2 if args.quick else 20),
+                "onnx": lambda: onnx_parity(args.models, reference, batches=2 if args.quick else 20),
                 "run": lambda: _demo_run_keeping_records(args),
                 "select": lambda: select_bench(updates=30 if args.quick else 300, calls=50 if args.quick else 2000)}
     for name, run in sections.items():
@@ -414,10 +426,8 @@ def main(argv=None) -> int:
             log.exception("section %s failed", name)
             result[name] = {"error": f"{type(exc).__name__}: {exc}"}
         log.info("%s: %.1f s", name, time.perf_counter() - t0)
-        if name == "run" and isinstance(result["run"], dict) and args.reference is not None:
-            ref_json = args.reference.with_suffix(".json")
-            if ref_json.is_file():
-                result["run"]["reference_cpu_run"] = json.loads(ref_json.read_text(encoding="utf-8")).get("run")
+        if name == "run" and isinstance(result["run"], dict) and reference[1]:
+            result["run"]["reference_cpu_run"] = reference[1].get("run")
         if name == "meter":
             result["masking"] = masking(result["meter"], budget_mib=args.budget_mib)
         (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
