@@ -151,11 +151,12 @@ def _demo_dir() -> Path:
 
 def probe_inputs() -> tuple[list[tuple[str, str]], list[str]]:
     """32 (passage, claim) pairs and 32 texts from the bundled demo data: real sentences, same everywhere."""
+    from d2r_edge.retrieval.docs import read_documents
+    from d2r_edge.runner import load_queries
+
     demo = _demo_dir()
-    docs = [json.loads(line) for line in (demo / "docs.jsonl").read_text(encoding="utf-8").splitlines() if line]
-    claims = [json.loads(line)["claim"] for line in (demo / "claims.jsonl").read_text(encoding="utf-8").splitlines()
-              if line]
-    passages = [f"{d['title']}\n{d['text']}" for d in docs]
+    passages = [d.indexed_text for d in read_documents(demo / "docs.jsonl").documents]     # as the KB indexes them
+    claims = [q.text for q in load_queries(demo / "claims.jsonl")]
     pairs = [(passages[i % len(passages)], claims[(5 * i) % len(claims)]) for i in range(32)]
     texts = (passages + claims)[:32]
     return pairs, texts
@@ -328,10 +329,10 @@ def demo_run(models: Path | None, work: Path, budget_mib: float = 6.0, variant: 
             out[f"{name}_failed"] = f"exit {proc.returncode}: {proc.stderr[-1500:]}"
             return out
     from d2r_edge.pipeline import stage_seconds
+    from d2r_edge.runner import read_records
 
     reps, firsts, query_s = [], [], []
-    for line in records.read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line)
+    for rec in read_records(records):
         first = (rec.get("first") or {}).get("timings_s") or {}
         if "mem_growth_mib" in first:
             firsts.append(first["mem_growth_mib"])
