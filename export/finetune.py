@@ -153,7 +153,8 @@ FINETUNE_PRESETS = {
     "full": FinetuneSettings(),
     # the demo's NLI on a fresh machine: no reranker to start from (the profile has none), 16,000
     # general pairs and one FEVER/QA epoch; its held-out figures go into its manifest like any build
-    "quick": FinetuneSettings(nli_init="base", nli_epochs=1, max_train_pairs=16000, nli_fever_train_pairs=0),
+    # (FEVER pairs: 10,000 from FEVER train, as in the full build: FEVER dev trains nothing since issue 50)
+    "quick": FinetuneSettings(nli_init="base", nli_epochs=1, max_train_pairs=16000),
 }
 
 
@@ -166,8 +167,9 @@ def pairs_sha256(role: str, sets: PairSets) -> str:
 
 def _key(role: str, base_sha256: str, sets: PairSets, s: FinetuneSettings, init_key: str | None) -> str:
     files, split = sets.files_sha256, sets.split
-    if role != "nli":   # the FEVER/QA stage's pairs (FEVER train among them) shape only the nli role
-        files = {k: v for k, v in files.items() if k != FEVER_TRAIN_FILE}
+    if role != "nli":
+        if role == "nli_general":   # FEVER train shapes the nli role's pairs and the reranker's FEVER queries
+            files = {k: v for k, v in files.items() if k != FEVER_TRAIN_FILE}
         own = ("rule", "validation_percent") + (("rerank_train_groups", "rerank_val_questions")
                                                 if role == "reranker" else ())
         split = {k: split[k] for k in own if k in split}

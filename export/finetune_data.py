@@ -1,10 +1,16 @@
 """Labeled pairs from ../shared/data for the offline NLI and reranker models.
 
-Split by a stable hash of the normalized claim / question text rather than
-the row id: FEVER repeats the same claim under several ids (one per
-annotation), and an id split leaked those duplicates into both sides. So
-validation claims never train anything, hard-negative mining included:
-negatives are mined with BM25 over a pool built from training rows only.
+FEVER: ``fever/dev.jsonl`` is the evaluation side whole. FEVER writes several
+claims from the same evidence sentences, so a split by claim text (the rule
+before issue 50) left most held-out premises in training with their labels:
+of this dev file's claims with evidence, nearly all share a sentence with
+another dev claim. Every FEVER training pair and reranker query therefore comes
+from FEVER *train* (export/fever_train.py), minus each claim whose text or any
+evidence sentence is a text of the dev file; the general NLI pairs lose such
+texts too (SPLIT_RULE, recorded in the manifest with the counts removed).
+
+QA: split by a stable hash of the normalized question; held-out questions never
+train anything.
 
 Passages are written the way the runtime's knowledge base stores them,
 ``title\\ntext``: a FEVER evidence sentence such as "He was born in 1970."
@@ -154,15 +160,15 @@ def _qa_rows(data: Path) -> list[QARow]:
 
 
 def missing_files(data: Path) -> list[str]:
-    return [f for f in FILES if not (data / f).is_file()]
+    return [f for f in (*FILES, ft.FILE) if not (data / f).is_file()]
 
 
 def _mutations(rows: list[tuple[str, str, str]], real_claims: set[str], rng) -> list[tuple[str, str, int]]:
     """One synthetic NLI pair per training FEVER claim: a number swap or a negation flip.
 
-    A mutated claim that is a real FEVER claim, or whose text falls in the
-    validation split, is dropped: annotators wrote exactly such mutations, so
-    the held-out set holds some of them.
+    A mutated claim that is a real FEVER claim (train or dev) is dropped:
+    annotators wrote exactly such mutations, so the evaluation side holds some
+    of them.
     """
     out = []
     for premise, claim, label in rows:
@@ -171,7 +177,7 @@ def _mutations(rows: list[tuple[str, str, str]], real_claims: set[str], rng) -> 
             new, lab = swapped, CON
         else:
             new, lab = toggle_negation(claim), (CON if label == "SUPPORTS" else ENT)
-        if new is not None and _norm(new) not in real_claims and not is_validation(new):
+        if new is not None and _norm(new) not in real_claims:
             out.append((premise, new, lab))
     return out
 
@@ -200,13 +206,24 @@ def heldout_probe(val: list[tuple[str, str, int]], seed: int = 0) -> dict[str, l
     return out
 
 
-def validation_texts(fever: list[dict], qa: list[QARow]) -> set[str]:
-    """dedupe_key() of the held-out claims, their evidence sentences and the held-out questions."""
+FEVER_DEV = "fever/dev.jsonl"
+SPLIT_RULE = ("FEVER: fever/dev.jsonl is the evaluation side whole (no claim of it trains anything); FEVER training "
+              "pairs and reranker queries come from fever_train/train.jsonl.gz, minus every claim whose text or "
+              "any evidence sentence is a dev claim or dev evidence sentence (dedupe_key); the general NLI pairs "
+              "lose any pair with such a text too. QA: sha256(normalized question) % 100 < 20 -> validation")
+
+
+def evaluation_texts(fever: list[dict], qa: list[QARow]) -> set[str]:
+    """dedupe_key() of every FEVER dev claim and evidence sentence, and of the held-out questions.
+
+    FEVER writes several claims from the same evidence sentences, so holding out a
+    claim's text alone left its premise in training (issue 50): every sentence of
+    the evaluation side is kept out of every pair the fine-tuning reads.
+    """
     out = set()
     for row in fever:
-        if is_validation(row["question"]):
-            out.add(dedupe_key(row["question"]))
-            out.update(dedupe_key(s) for _, _, s in row.get("derived_evidence_sentences") or [])
+        out.add(dedupe_key(row["question"]))
+        out.update(dedupe_key(s) for _, _, s in row.get("derived_evidence_sentences") or [])
     out.update(dedupe_key(q.question) for q in qa if is_validation(q.question))
     return out
 
@@ -224,62 +241,35 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
                 rerank_fever_groups: int = 400, augment: bool = True,
                 general_sources: str | None = None, fever_train: FeverTrainSpec = FeverTrainSpec(),
                 exclude_files: tuple[str, ...] = ()) -> PairSets:
-    """`exclude_files`: QA files whose questions enter no training or validation pair, from any file
-    (their paragraphs stay in the pool negatives are mined from): an evaluation may then test on all
-    of their questions."""
+    """The NLI and reranker pairs under SPLIT_RULE.
+
+    FEVER's dev file is read for validation pairs only; FEVER training pairs come from
+    FEVER train (`fever_train.pairs` of them for the NLI, `rerank_fever_groups` reranker
+    queries). `exclude_files`: QA files whose questions enter no training or validation
+    pair, from any file: an evaluation may then test on all of their questions."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     sets = PairSets()
     sets.files_sha256 = {f: hashlib.sha256((data / f).read_bytes()).hexdigest() for f in FILES}
-    fever = _rows(data / "fever" / "dev.jsonl")
+    fever = _rows(data / FEVER_DEV)
     left_out = excluded_questions(data, tuple(exclude_files))
     qa_all = _qa_rows(data)
     qa = [q for q in qa_all if _norm(q.question) not in left_out]
-    # the mining pool: training rows' evidence and paragraphs only
-    pool: list[str] = []
-    for row in fever:
-        if not is_validation(row["question"]):
-            pool += [fever_premise([e]) for e in row.get("derived_evidence_sentences") or []]
-    fever_sentences = list(dict.fromkeys(pool))
-    for q in qa_all:        # paragraphs only: a left-out question's passages may be mined as negatives
-        if not is_validation(q.question):
-            pool += q.passages()
-    pool = list(dict.fromkeys(pool))
-    # the reranker's FEVER negatives are FEVER sentences, like its positives: mined from
-    # the mixed pool they were mostly long QA paragraphs, and held-out HotpotQA recall@3
-    # fell from 0.786 to 0.714 (same seed and settings, measured here)
-    indexes = {}
-    for name, texts in (("all", pool), ("fever", fever_sentences)):
-        indexes[name] = (texts, BM25Index())
-        indexes[name][1].add(texts)
-
-    def mined(query: str, exclude: set[str], n: int, among: str = "all") -> list[str]:
-        texts, index = indexes[among]
-        ids, _ = index.top_k(query, n + len(exclude) + 2)
-        return [texts[i] for i in ids if texts[i] not in exclude][:n]
-
-    fever_groups = []
-    synthetic: list[tuple[str, str, str]] = []     # training (premise, claim, label) to mutate
-    for row in fever:
-        val = is_validation(row["question"])
+    held_out = evaluation_texts(fever, qa_all)
+    held_out |= {dedupe_key(q.question) for q in qa_all if _norm(q.question) in left_out}
+    ft_rows, ft_digest = ft.read(data)
+    sets.files_sha256[ft.FILE] = ft_digest
+    look_alikes = ft.LookAlikes(ft_rows, held_out)
+    for row in fever:       # validation only: FEVER's evaluation side
         claim, label = row["question"], row["label"]
         evidence = row.get("derived_evidence_sentences") or []
-        target = sets.nli_val if val else sets.nli_train
         if label in ("SUPPORTS", "REFUTES") and evidence:
-            premise = fever_premise(evidence)
-            target.append((premise, claim, ENT if label == "SUPPORTS" else CON))
-            if not val and augment:
-                synthetic.append((premise, claim, label))
-            if not val:
-                gold = {fever_premise([e]) for e in evidence}
-                sets.nli_train += [(n, claim, NEU) for n in mined(claim, gold, 1)]
-                negs = mined(claim, gold, RERANK_FEVER_NEGATIVES, among="fever")
-                fever_groups.append(RerankGroup(claim, tuple(sorted(gold)), tuple(negs)))
+            sets.nli_val.append((fever_premise(evidence), claim, ENT if label == "SUPPORTS" else CON))
         elif label == "NOT ENOUGH INFO":
-            # premise: the best BM25 passage from the training pool (also for validation
-            # rows: the pool holds no validation text, so nothing leaks either way)
-            target += [(p, claim, NEU) for p in mined(claim, set(), 1)]
+            premise = look_alikes.best(claim)      # from FEVER train: no evaluation text in it
+            if premise is not None:
+                sets.nli_val.append((premise, claim, NEU))
     qa_groups = []
     for q in qa:
         pos, neg = q.passages(True), q.passages(False)
@@ -295,21 +285,15 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
             # "the passage addresses the question" for the query-entailment signal
             sets.nli_train.append((pos[int(rng.integers(len(pos)))], q.question, ENT))
             sets.nli_train.append((neg[int(rng.integers(len(neg)))], q.question, NEU))
-    # keep neutral from swamping the other classes (mined negatives are plentiful)
-    by = {lab: [p for p in sets.nli_train if p[2] == lab] for lab in (ENT, NEU, CON)}
-    cap = 2 * max(len(by[ENT]), len(by[CON]))
-    sets.nli_train = by[ENT] + by[CON] + [by[NEU][i] for i in rng.permutation(len(by[NEU]))[:cap]]
-    sets.nli_train = [sets.nli_train[i] for i in rng.permutation(len(sets.nli_train))]
-    fever_groups = [fever_groups[i] for i in rng.permutation(len(fever_groups))[:rerank_fever_groups]]
+    # the reranker's FEVER negatives are FEVER sentences, like its positives: mined from
+    # the mixed pool they were mostly long QA paragraphs, and held-out HotpotQA recall@3
+    # fell from 0.786 to 0.714 (same seed and settings, measured here)
+    groups_ft, rerank_stats = ft.rerank_groups(ft_rows, look_alikes, held_out, rerank_fever_groups,
+                                               RERANK_FEVER_NEGATIVES, seed)
+    fever_groups = [RerankGroup(q, pos, neg) for q, pos, neg in groups_ft]
     groups = qa_groups + fever_groups
     sets.rerank_train = [groups[i] for i in rng.permutation(len(groups))]
-    if synthetic:   # own generator, drawn last: the reranker's sampling does not depend on it
-        aug = np.random.default_rng([seed, 1])
-        sets.nli_train += _mutations(synthetic, {_norm(r["question"]) for r in fever}, aug)
-        sets.nli_train = [sets.nli_train[i] for i in aug.permutation(len(sets.nli_train))]
-    held_out = validation_texts(fever, qa_all) if general_sources is not None or fever_train.pairs > 0 else set()
-    if held_out and exclude_files:      # the left-out questions stay out of the general and FEVER-train pairs too
-        held_out |= {dedupe_key(q.question) for q in qa_all if _norm(q.question) in left_out}
+    sets.nli_train = [sets.nli_train[i] for i in rng.permutation(len(sets.nli_train))]
     if general_sources is not None:
         sets.general = load_general(data, held_out, general_sources, max_train_pairs, seed)
     if max_train_pairs:
@@ -317,18 +301,99 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
         sets.rerank_train = sets.rerank_train[:max(1, max_train_pairs // 8)]
     if fever_train.pairs > 0:       # after the cut: their number is their own setting
         extra = ft.build(data, fever_train.pairs, held_out, titles=fever_train.titles,
-                         max_sentences=fever_train.max_sentences, seed=seed)
-        sets.files_sha256[ft.FILE] = extra.file_sha256
+                         max_sentences=fever_train.max_sentences, seed=seed, pool=look_alikes,
+                         rows=ft_rows, digest=ft_digest)
         sets.fever_train = extra.stats
-        mix = np.random.default_rng([seed, 3])
         sets.nli_train += extra.pairs
+        if augment:     # own generator: the other draws do not depend on it
+            real = {_norm(r["question"]) for r in fever} | {_norm(r["claim"]) for r in ft_rows}
+            synthetic = _mutations(extra.labeled, real, np.random.default_rng([seed, 1]))
+            sets.fever_train["mutations"] = len(synthetic)
+            sets.nli_train += synthetic
+        mix = np.random.default_rng([seed, 3])
         sets.nli_train = [sets.nli_train[i] for i in mix.permutation(len(sets.nli_train))]
-    sets.split = {"rule": "sha256(normalized claim or question text) % 100 < 20 -> validation",
-                  "validation_percent": 20,
-                  **({"excluded_files": {f: sets.files_sha256[f] for f in exclude_files},
-                      "excluded_qa_rows": len(qa_all) - len(qa)} if exclude_files else {}),
+    # Wikipedia repeats itself: QA paragraphs and general NLI premises hold FEVER dev evidence
+    # sentences verbatim (32 texts of 230k under the full settings); a pair or reranker query that
+    # contains one is dropped whole
+    finder = SentenceFinder({s for row in fever for _, _, s in row.get("derived_evidence_sentences") or []})
+    dropped = _drop_containing(sets, finder)
+    sets.split = {"rule": SPLIT_RULE, "validation_percent": 20,
+                  "excluded_files": {FEVER_DEV: sets.files_sha256[FEVER_DEV],
+                                     **{f: sets.files_sha256[f] for f in exclude_files}},
+                  **({"excluded_qa_rows": len(qa_all) - len(qa)} if exclude_files else {}),
+                  "evaluation_texts": len(held_out),
+                  "fever_train_removed": {**(sets.fever_train.get("removed") or {}),
+                                          "rerank_claims_skipped": rerank_stats["skipped_evaluation_overlap"]},
+                  "removed_containing_evaluation_sentence": dropped,
                   "nli_train": len(sets.nli_train), "nli_val": len(sets.nli_val),
                   **({"nli_train_from_fever_train": sets.fever_train["pairs"]} if sets.fever_train else {}),
                   "rerank_train_groups": len(sets.rerank_train),
+                  "rerank_fever_groups": len(fever_groups),
                   "rerank_val_questions": len(sets.rerank_val)}
     return sets
+
+
+class SentenceFinder:
+    """Finds which of a set of sentences occur inside longer texts (word-level, dedupe_key form).
+
+    Each sentence is keyed by its first few words; a text's windows are looked up
+    and confirmed word by word, so a check over every training pair takes seconds.
+    """
+
+    KEY_WORDS = 5
+
+    def __init__(self, sentences) -> None:
+        self._by_key: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
+        for s in sentences:
+            words = tuple(dedupe_key(s).split())
+            if words:
+                self._by_key.setdefault(words[:self.KEY_WORDS], []).append(words)
+        self._lengths = sorted({len(k) for k in self._by_key})
+
+    def found_in(self, text: str) -> list[str]:
+        words = dedupe_key(text).split()
+        hits = []
+        for i in range(len(words)):
+            for n in self._lengths:
+                for sentence in self._by_key.get(tuple(words[i:i + n]), ()):
+                    if tuple(words[i:i + len(sentence)]) == sentence:
+                        hits.append(" ".join(sentence))
+        return hits
+
+
+def training_texts(sets: PairSets) -> list[str]:
+    """Every text a fine-tuning stage reads: NLI pairs (FEVER/QA and general) and reranker groups."""
+    out = [t for p, h, _ in sets.nli_train for t in (p, h)]
+    if sets.general is not None:
+        out += [t for p, h, _ in sets.general.train for t in (p, h)]
+    for g in sets.rerank_train:
+        out += [g.query, *g.positives, *g.negatives]
+    return out
+
+
+def fever_evaluation_leaks(data: Path, sets: PairSets) -> dict[str, int]:
+    """How many training texts contain a FEVER dev evidence sentence or are a dev claim: 0 under SPLIT_RULE."""
+    fever = _rows(data / FEVER_DEV)
+    finder = SentenceFinder({s for row in fever for _, _, s in row.get("derived_evidence_sentences") or []})
+    claims = {dedupe_key(row["question"]) for row in fever}
+    texts = training_texts(sets)
+    return {"texts": len(texts),
+            "with_evidence_sentence": sum(1 for t in texts if finder.found_in(t)),
+            "dev_claims": sum(1 for t in texts if dedupe_key(t) in claims)}
+
+
+def _drop_containing(sets: PairSets, finder: SentenceFinder) -> dict[str, int]:
+    """Drops every training pair / reranker query with a text that contains one of `finder`'s sentences."""
+    def clean(*texts: str) -> bool:
+        return not any(finder.found_in(t) for t in texts)
+
+    before = (len(sets.nli_train), len(sets.general.train) if sets.general else 0, len(sets.rerank_train))
+    sets.nli_train = [r for r in sets.nli_train if clean(r[0], r[1])]
+    if sets.general is not None:
+        sets.general.train = [r for r in sets.general.train if clean(r[0], r[1])]
+        sets.general.stats = {**sets.general.stats, "train_pairs": len(sets.general.train),
+                              "removed_containing_evaluation_sentence": before[1] - len(sets.general.train)}
+    sets.rerank_train = [g for g in sets.rerank_train if clean(g.query, *g.positives, *g.negatives)]
+    return {"nli_pairs": before[0] - len(sets.nli_train),
+            "general_pairs": before[1] - (len(sets.general.train) if sets.general else 0),
+            "rerank_queries": before[2] - len(sets.rerank_train)}

@@ -41,20 +41,38 @@ def _jsonl(path: Path, limit: int, skip_heldout: bool) -> list[dict]:
     return out
 
 
+def _fever_dev(path: Path, limit: int, skip_heldout: bool) -> list[tuple[str, str]]:
+    return [(row["question"], " ".join(row.get("pars") or []) or row["question"])
+            for row in _jsonl(path, limit, skip_heldout)]
+
+
+def _fever_train(data_dir: Path, limit: int) -> list[tuple[str, str]] | None:
+    """FEVER train's first claims with evidence (None without the file): FEVER dev is the offline
+    models' evaluation side whole, so choices such as the int8 tier are made on train's text (an
+    unlabeled set: it only compares int8 with fp32)."""
+    from d2r_edge_export import fever_train as ft
+
+    if not (data_dir / ft.FILE).is_file():
+        return None
+    rows, _ = ft.read(data_dir)
+    return [(r["claim"], " ".join(r["evidence"][:2])) for r in rows if r.get("evidence")][:limit]
+
+
 def load_parity_set(data_dir: Path | None = None, n_pairs: int = 64, skip_heldout: bool = False) -> ParitySet:
     """Pairs from the first rows of FEVER and HotpotQA.
 
-    skip_heldout: leave out the offline models' held-out claims and questions
-    (for choices made on this set, such as the int8 tier).
+    skip_heldout: leave out the offline models' evaluation side: FEVER pairs from FEVER train
+    instead of dev, HotpotQA's held-out questions skipped (for choices made on this set, such
+    as the int8 tier).
     """
     data_dir = Path(data_dir) if data_dir else DEFAULT_DATA_DIR
     fever, hotpot = data_dir / "fever" / "dev.jsonl", data_dir / "hotpotqa" / "dev.jsonl"
     if fever.is_file() and hotpot.is_file():
         pairs, sentences = [], []
-        for row in _jsonl(fever, n_pairs // 2, skip_heldout):
-            evidence = " ".join(row.get("pars") or []) or row["question"]
-            pairs.append((evidence, row["question"]))
-            sentences += [row["question"], evidence]
+        train = _fever_train(data_dir, n_pairs // 2) if skip_heldout else None
+        for claim, evidence in train if train is not None else _fever_dev(fever, n_pairs // 2, skip_heldout):
+            pairs.append((evidence, claim))
+            sentences += [claim, evidence]
         for row in _jsonl(hotpot, n_pairs // 2, skip_heldout):
             title, sents = row["context"][0]
             pairs.append(("".join(sents), row["question"]))

@@ -1,4 +1,4 @@
-"""FEVER-train pairs for the offline NLI: labels, look-alikes, titles, the validation split kept out."""
+"""FEVER-train pairs for the offline NLI: labels, look-alikes, titles, FEVER dev's texts kept out."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 from d2r_edge_export.fever_train import CON, ENT, FILE, NEU, build, claim_subject, names
-from d2r_edge_export.finetune_data import _qa_rows, _rows, validation_texts
+from d2r_edge_export.finetune_data import _qa_rows, _rows, evaluation_texts
 from d2r_edge_export.nli_general import dedupe_key
 
 pytestmark = pytest.mark.export
@@ -26,7 +26,7 @@ def test_claim_subject_and_naming():
 def val_texts(shared_data):
     if not (shared_data / FILE).is_file():
         pytest.skip("needs ../shared/data/fever_train")
-    return validation_texts(_rows(shared_data / "fever" / "dev.jsonl"), _qa_rows(shared_data))
+    return evaluation_texts(_rows(shared_data / "fever" / "dev.jsonl"), _qa_rows(shared_data))
 
 
 @pytest.fixture(scope="module")

@@ -37,16 +37,49 @@ def small_offline(tmp_path_factory, shared_data):
 
 
 def test_split_keeps_validation_out_of_training(shared_data):
-    from d2r_edge_export.finetune_data import build_pairs, is_validation
+    from d2r_edge_export.finetune_data import FeverTrainSpec, _norm, _rows, build_pairs, is_validation
 
-    sets = build_pairs(shared_data)
-    val_claims = {h for _, h, _ in sets.nli_val}
-    assert val_claims and not val_claims & {h for _, h, _ in sets.nli_train}
-    assert not val_claims & {g.query for g in sets.rerank_train}
+    sets = build_pairs(shared_data, fever_train=FeverTrainSpec(2000))
+    dev = {_norm(r["question"]) for r in _rows(shared_data / "fever" / "dev.jsonl")}
+    val_claims = {_norm(h) for _, h, lab in sets.nli_val}
+    assert len(val_claims) > 0.9 * len(dev) and val_claims <= dev        # FEVER dev whole: the evaluation side
+    assert not dev & {_norm(h) for _, h, _ in sets.nli_train}
+    assert not dev & {_norm(g.query) for g in sets.rerank_train}
+    assert sets.split["excluded_files"] == {"fever/dev.jsonl": sets.files_sha256["fever/dev.jsonl"]}
     val_q = {q["question"] for q in sets.rerank_val}
     assert val_q and not val_q & {h for _, h, _ in sets.nli_train}
     assert not val_q & {g.query for g in sets.rerank_train}
     assert is_validation("A  claim.") == is_validation("a claim.")      # normalized, stable
+
+
+def test_sentence_finder_finds_sentences_inside_texts():
+    from d2r_edge_export.finetune_data import SentenceFinder
+
+    f = SentenceFinder(["He was born in 1970 .", "Fox is a network .", "Aruba"])
+    assert f.found_in("Nikolaj Coster-Waldau\nHe played a detective. He was born in 1970.") == ["he was born in 1970"]
+    assert f.found_in("FOX is a  network, says the page") == ["fox is a network"]     # case, spacing, punctuation
+    assert f.found_in("He was born in 1971.") == [] and f.found_in("He was born") == []
+    assert f.found_in("from Aruba to Bonaire") == ["aruba"] and f.found_in("Arubans") == []   # whole words
+
+
+def test_no_fever_evaluation_sentence_reaches_any_training_pair(shared_data):
+    """Issue 50: FEVER writes several claims from one evidence sentence, so a held-out claim text alone
+    left its premise in training. Under the full build's settings no text any fine-tuning stage reads
+    (NLI pairs, general pairs, reranker queries and passages) holds a FEVER dev evidence sentence or is
+    a FEVER dev claim."""
+    from d2r_edge_export.finetune import FINETUNE_PRESETS
+    from d2r_edge_export.finetune_data import build_pairs, fever_evaluation_leaks
+
+    s = FINETUNE_PRESETS["full"]
+    sets = build_pairs(shared_data, s.max_train_pairs, s.seed, s.rerank_fever_groups, s.nli_augment,
+                       s.general_sources(), s.fever_train(), s.exclude_files)
+    assert sets.fever_train["pairs"] == s.nli_fever_train_pairs and sets.general.train
+    leaks = fever_evaluation_leaks(shared_data, sets)
+    assert leaks["texts"] > 100_000
+    assert leaks == {"texts": leaks["texts"], "with_evidence_sentence": 0, "dev_claims": 0}
+    removed = sets.split["fever_train_removed"]
+    assert removed["premise_in_evaluation"] > 0
+    assert sum(sets.split["removed_containing_evaluation_sentence"].values()) > 0
 
 
 def test_pairs_carry_titles_and_reranker_groups_are_clean(shared_data):
@@ -54,6 +87,7 @@ def test_pairs_carry_titles_and_reranker_groups_are_clean(shared_data):
         CON,
         ENT,
         NEU,
+        FeverTrainSpec,
         build_pairs,
         fever_premise,
         fever_title,
@@ -65,7 +99,7 @@ def test_pairs_carry_titles_and_reranker_groups_are_clean(shared_data):
                              ["Fox_Broadcasting_Company", 0, "Fox is a network."]])
     assert premise == ("Nikolaj Coster-Waldau\nHe played a detective. He was born in 1970.\n"
                        "Fox Broadcasting Company\nFox is a network.")
-    sets = build_pairs(shared_data)
+    sets = build_pairs(shared_data, fever_train=FeverTrainSpec(2000))
     assert {lab for *_, lab in sets.nli_train} == {ENT, NEU, CON}
     fever_val = [p for p, _, lab in sets.nli_val if lab != NEU]
     assert all("\n" in p for p in fever_val)              # every gold premise names its page
@@ -82,9 +116,11 @@ def test_synthetic_nli_pairs_flip_labels_and_stay_out_of_validation(shared_data)
         CON,
         ENT,
         NEU,
+        FeverTrainSpec,
+        _norm,
+        _rows,
         build_pairs,
         heldout_probe,
-        is_validation,
         swap_number,
         toggle_negation,
     )
@@ -98,12 +134,14 @@ def test_synthetic_nli_pairs_flip_labels_and_stay_out_of_validation(shared_data)
     swapped = swap_number("Psych (season 2) began on July 13th, 2007.", "aired from July 13 , 2007 to 2008", rng)
     assert swapped is not None and "2007" not in swapped and "13th" in swapped
     assert swap_number("It began in 2007.", "It began in 2009.", rng) is None   # the evidence lacks it
-    plain = build_pairs(shared_data, augment=False)
-    sets = build_pairs(shared_data)
+    plain = build_pairs(shared_data, augment=False, fever_train=FeverTrainSpec(3000))
+    sets = build_pairs(shared_data, fever_train=FeverTrainSpec(3000))
     real = {" ".join(h.lower().split()) for _, h, _ in plain.nli_train}
     extra = [(p, h, lab) for p, h, lab in sets.nli_train if " ".join(h.lower().split()) not in real]
     assert len(extra) > 1000 and {lab for *_, lab in extra} == {ENT, CON}
-    assert not any(is_validation(h) for _, h, _ in extra)
+    assert len(extra) <= sets.fever_train["mutations"]
+    dev = {_norm(r["question"]) for r in _rows(shared_data / "fever" / "dev.jsonl")}
+    assert not any(_norm(h) in dev for _, h, _ in extra)       # a mutation that is a dev claim is dropped
     assert sets.nli_val == plain.nli_val                      # held-out pairs are never augmented
     probe = heldout_probe(sets.nli_val)
     assert len(probe["negation_flipped"]) > 300 and len(probe["number_swapped"]) > 30
@@ -136,7 +174,10 @@ def test_manifest_is_traceable(small_offline):
     ft = t["fever_train_data"]
     assert ft["pairs"] == 128 and ft["titles"] == "subject" and sum(ft["labels"].values()) == 128
     assert len(t["data_files_sha256"]["fever_train/train.jsonl.gz"]) == 64
-    assert t["split"]["nli_train_from_fever_train"] == 128 and t["train_pairs"] == 256 + 128
+    # the FEVER/QA stage: the QA pairs cut to 256, 128 FEVER-train pairs and their mutations
+    assert t["split"]["nli_train_from_fever_train"] == 128 and 256 + 128 < t["train_pairs"] == t["split"]["nli_train"]
+    assert t["fever_train_data"]["mutations"] == (t["train_pairs"] - 256 - 128
+                                                   + t["split"]["removed_containing_evaluation_sentence"]["nli_pairs"])
     assert t["settings"]["nli_fever_train_pairs"] == 128 and "nli_fever_train_pairs" not in first["settings"]
     v = nli["validation"]
     assert set(v["table"]) == {"model_int8", "model_fp32", "majority_class", "lexical_overlap"}
@@ -144,7 +185,7 @@ def test_manifest_is_traceable(small_offline):
     assert set(v["mutation_probe"]) == {"negation_flipped", "number_swapped"}
     assert all(0 <= p["model_int8_accuracy"] <= 1 and p["pairs"] > 0 for p in v["mutation_probe"].values())
     tiers = nli["variants"]["int8"]["quantization"]["tier_agreement"]   # trained: the tier search ran
-    # up to HELDOUT_LIMIT calibration pairs: half training-split FEVER rows, half HotpotQA rows outside the split
+    # up to HELDOUT_LIMIT calibration pairs: half FEVER-train claims, half HotpotQA rows outside the split
     assert tiers["tried"][0]["keep_fp32"] == "none" and HELDOUT_LIMIT // 2 < tiers["pairs"] <= HELDOUT_LIMIT
     assert nli["parity"]["n_inputs"] == PARITY_INPUTS and nli["parity"]["fp32"]["max_abs_logit_diff_vs_torch"] < 1e-3
     rescore = nli["variants"]["int8"]["quantization"]["fp32_rescore"]
@@ -293,7 +334,8 @@ def test_left_out_qa_files_reach_no_training_pair(shared_data):
     assert not {_norm(h) for _, h, _ in sets.nli_train} & left_out
     assert not {_norm(g.query) for g in sets.rerank_train} & left_out
     assert not {_norm(q["question"]) for q in sets.rerank_val} & left_out
-    assert set(sets.split["excluded_files"]) == set(files) and sets.split["excluded_qa_rows"] >= len(left_out)
+    assert set(sets.split["excluded_files"]) == {*files, "fever/dev.jsonl"}
+    assert sets.split["excluded_qa_rows"] >= len(left_out)
     plain = build_pairs(shared_data)
     assert {_norm(g.query) for g in plain.rerank_train} & left_out          # without the option they are there
     assert sets.nli_val == plain.nli_val                                     # FEVER's held-out set unchanged
