@@ -248,8 +248,9 @@ class Pipeline:
         first, _ = self.metered_attempt(query, self.default, q_vec, metered=False)
         first.timings_s["embed_query_s"] = first.timings_s.get("embed_query_s", embed_s)
         rec = {"first": first.summary(), "failure": first.diagnosis.failure.value, "repair": None}
+        t_gate = time.perf_counter()
         repair, p_wrong, signals = self.assess(first, query if learn else None)
-        rec["gate"] = self.gate.value
+        rec["gate"], rec["gate_s"] = self.gate.value, time.perf_counter() - t_gate
         if p_wrong is not None:   # missing signals (no log-probabilities) are recorded as null
             rec["p_wrong"] = p_wrong
             rec["detector_threshold"] = self.detector.threshold
@@ -274,19 +275,25 @@ class Pipeline:
             # attempt then builds the same context vector (remaining budget) as a live one
             spent_s = attempt_seconds(first)
             self._check_reward_detector()       # a missing detector is a setting, not one query's failure
+            t_repair = time.perf_counter()
             try:
                 rec["repair"], final = self._repair(query, q_vec, first, allowed, learn, spent_s, p_wrong)
             except RECOVERABLE as exc:
                 # the repair pass failed (generator down, ...): the first answer stands, and says so
                 log.warning("repair of %r failed, keeping the first answer: %s", query[:60], exc)
                 rec["repair_error"] = f"{type(exc).__name__}: {exc}"
+            # wall time; a replayed generation (eval's cache) counts the time the real call took,
+            # as the attempt's generate_s does, so the stages still sum to the total
+            rec["repair_s"] = time.perf_counter() - t_repair + (final.generation.replayed_s if final is not first
+                                                                 else 0.0)
         rec["final"] = final.summary()
         rec["final_answer"] = self.answer(final)
         rec["first_answer"] = self.answer(first)
         kb = getattr(self.retriever, "kb", None)
         if kb is not None:   # which KB answered: its version on disk, and what a refresh added in memory
             rec["kb_version"], rec["kb_docs_added_in_memory"] = kb.version, kb.session_docs
-        rec["total_s"] = time.perf_counter() - t_start
+        replayed_s = first.generation.replayed_s + (final.generation.replayed_s if final is not first else 0.0)
+        rec["total_s"] = time.perf_counter() - t_start + replayed_s
         return rec, first, final
 
     def fits_deadline(self, allowed: np.ndarray, left_s: float, first: Attempt) -> tuple[np.ndarray, float]:

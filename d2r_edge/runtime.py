@@ -30,6 +30,7 @@ from d2r_edge.app import build_pipeline, save_policy
 from d2r_edge.deadline import DeadlineExceeded
 from d2r_edge.diagnose import Diagnosis, Label, shared_words
 from d2r_edge.errors import InputError
+from d2r_edge.latency import split_ms
 from d2r_edge.pipeline import Pipeline
 from d2r_edge.policy import updates_of
 from d2r_edge.retrieval.retriever import Passage, evidence_text
@@ -53,10 +54,11 @@ class PassageRef:
 class Result:
     """One answered query: the final answer and why it is trusted (or was repaired).
 
-    `latency_ms`: embed / retrieve / generate / diagnose of the first attempt, `repair` (the
-    whole repair action: select + second attempt), `total`, and `overhead` = total minus the
-    generator's time in both attempts (what d2r-edge itself costs). The `budget` (per repair
-    action, generator included) limits `repair`; a `deadline_s` limits `total`."""
+    `latency_ms`: d2r_edge.latency's split: the stages embed / retrieve / generate / diagnose of
+    the first attempt, gate, repair (the whole repair action, its own generation included and
+    named in `repair_generate`) and other sum to `total`; `overhead` = total minus the generator's
+    time in both attempts (what d2r-edge itself costs). The `budget` (per repair action, generator
+    included) limits `repair`; a `deadline_s` limits `total`."""
 
     id: str
     query: str
@@ -95,21 +97,6 @@ class Verification:
 
 def _ms(seconds: float) -> float:
     return round(1000.0 * seconds, 3)
-
-
-def latency_split(rec: dict) -> dict:
-    """The record's times in ms: the first attempt's stages, the repair action, total, overhead."""
-    t = rec["first"]["timings_s"]
-    gen_s = t.get("generate_s", 0.0)
-    repair = rec.get("repair") or {}
-    if repair:
-        gen_s += (rec["final"]["timings_s"] or {}).get("generate_s", 0.0)
-    out = {"embed": _ms(t.get("embed_query_s", 0.0)), "retrieve": _ms(t.get("retrieve_s", 0.0)),
-           "generate": _ms(gen_s), "diagnose": _ms(t.get("diagnose_s", 0.0)),
-           "repair": _ms(repair.get("latency_s", 0.0) + repair.get("policy_s", 0.0)) if repair else 0.0,
-           "total": _ms(rec["total_s"])}
-    out["overhead"] = round(max(0.0, out["total"] - out["generate"]), 3)
-    return out
 
 
 def _refs(passages: list[Passage]) -> tuple[PassageRef, ...]:
@@ -179,7 +166,7 @@ class Runtime:
             id=rid, query=query, task=task, answer=rec["final_answer"], first_answer=rec["first_answer"],
             failure=first.diagnosis.failure, final_failure=final.diagnosis.failure, repaired=bool(repair),
             arm=repair.get("arm"), passages=_refs(final.passages), diagnosis=final.diagnosis,
-            p_wrong=rec.get("p_wrong"), latency_ms=latency_split(rec), skipped=rec.get("repair_skipped"),
+            p_wrong=rec.get("p_wrong"), latency_ms=split_ms(rec), skipped=rec.get("repair_skipped"),
             repair_error=rec.get("repair_error"), over_budget=bool(repair.get("over_budget")), record=record)
 
     def save_policy(self, path: Path) -> None:

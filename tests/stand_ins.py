@@ -81,9 +81,13 @@ class ScriptedServer:
     in order - (status, body) or (status, body, headers); body a dict, raw text, or a function of the
     request's headers returning either - and keeps each request's JSON in `seen`, its headers in
     `seen_headers`, its arrival (time.monotonic) in `seen_at`; `connections` counts TCP connections.
-    Use as a context manager."""
+    GET /v1/models answers `models` (llama.cpp's shape). It listens on two ports, `url` and `other_url`:
+    one server behind two URLs. Use as a context manager."""
 
     def __init__(self) -> None:
+        self.models: dict = {"object": "list", "data": [{"id": "/srv/models/m.gguf", "object": "model",
+                                                         "meta": {"n_params": 494032768, "size": 491400064}}]}
+        self.models_asked = 0
         self.replies: list[tuple] = []
         self.seen: list[dict] = []
         self.seen_headers: list[dict] = []
@@ -109,6 +113,16 @@ class ScriptedServer:
                 outer.connections += 1
                 super().setup()
 
+            def do_GET(self):
+                outer.models_asked += 1
+                found = self.path.rstrip("/").endswith("/models")
+                data = json.dumps(outer.models if found else {"error": "not found"}).encode()
+                self.send_response(200 if found else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def do_POST(self):
                 outer.seen_at.append(time.monotonic())
                 outer.seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
@@ -125,15 +139,17 @@ class ScriptedServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self._srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self._srv.daemon_threads = True
-        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self._srv.server_port}/v1"
+        self._srvs = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), H) for _ in range(2)]
+        for srv in self._srvs:
+            srv.daemon_threads = True
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+        self.url, self.other_url = (f"http://127.0.0.1:{srv.server_port}/v1" for srv in self._srvs)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._srv.shutdown()
-        self._srv.server_close()
+        for srv in self._srvs:
+            srv.shutdown()
+            srv.server_close()
 
 
 def quoting_the_key(headers) -> dict:

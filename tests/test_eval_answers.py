@@ -524,3 +524,81 @@ def test_the_calibrated_gate_repairs_by_p_wrong(tmp_path, tiny_models, fever_fil
     args[args.index("--train-limit") + 1] = "40"
     assert main(args) == InputError.exit_code
     assert "(gate differ)" in capsys.readouterr().err
+
+
+def test_the_generation_cache_keys_the_served_model_not_the_url(tmp_path):
+    """Issue 54: the key held the server's base_url, so the same model behind another port was asked
+    again; and it must not hold only the URL, or another model behind the same port would replay."""
+    from stand_ins import ScriptedServer
+
+    from d2r_edge.eval.outcomes import CachedGenerator
+    from d2r_edge.generate.openai_compat import GeneratorError, OpenAICompatible
+    from d2r_edge.repair import PromptStyle
+    from d2r_edge.tasks import Task
+
+    ok = {"choices": [{"message": {"content": '{"answer": "Paris"}'}}]}
+    path = tmp_path / "g.jsonl"
+    with ScriptedServer() as srv:
+        srv.replies.append((200, ok))
+        first = CachedGenerator(OpenAICompatible(srv.url, "m", max_retries=0), path)
+        assert first.served == {"id": "m.gguf", "meta": {"n_params": 494032768, "size": 491400064}}
+        assert first.generate(Task.QA, PromptStyle.SIMPLE, "q", ["p"]).response == "Paris"
+        first.close()
+        moved = CachedGenerator(OpenAICompatible(srv.other_url, "m", max_retries=0), path)   # another port
+        assert moved.generate(Task.QA, PromptStyle.SIMPLE, "q", ["p"]).response == "Paris"
+        assert len(srv.seen) == 1 and (moved.calls, moved.hits) == (0, 1)                 # one call in all
+        moved.close()
+        # another gguf behind the same port: the server says so, and nothing is replayed
+        srv.models["data"][0].update(id="/srv/models/other.gguf", meta={"n_params": 1, "size": 2})
+        srv.replies.append((200, {"choices": [{"message": {"content": '{"answer": "Rome"}'}}]}))
+        other = CachedGenerator(OpenAICompatible(srv.url, "m", max_retries=0), path)
+        assert other.generate(Task.QA, PromptStyle.SIMPLE, "q", ["p"]).response == "Rome"
+        assert len(srv.seen) == 2 and other.hits == 0
+        other.close()
+        # a hosted API with many models: the requested name names it
+        srv.models["data"] = [{"id": "a"}, {"id": "b"}]
+        assert OpenAICompatible(srv.url, "b").served_model() == {"id": "b"}
+        assert OpenAICompatible(srv.url, "c").served_model() == {"id": "c"}
+    with pytest.raises(GeneratorError, match="GET /models failed"):     # no server: no key to trust
+        CachedGenerator(OpenAICompatible(srv.url, "m", max_retries=0), path)
+
+
+def test_a_cache_from_before_the_served_model_key_is_read_once_the_server_repeats_an_answer(tmp_path):
+    """Caches written under the old key (URL + requested name) replay after one fresh answer matches
+    a stored one; a server that answers otherwise (another model) gets none of them."""
+    from stand_ins import ScriptedServer
+
+    from d2r_edge.eval.outcomes import CachedGenerator
+    from d2r_edge.generate.openai_compat import OpenAICompatible
+    from d2r_edge.repair import PromptStyle
+    from d2r_edge.tasks import Task
+
+    def answer(text):
+        return (200, {"choices": [{"message": {"content": json.dumps({"answer": text})}}]})
+
+    def old_cache(path, url):
+        gen = CachedGenerator(OpenAICompatible(url, "m", max_retries=0), path)
+        rows = [{"key": gen.legacy_key(Task.QA, PromptStyle.SIMPLE, q, ["p"]), "response": a, "label": None,
+                 "raw": json.dumps({"answer": a}), "latency_s": 1.5, "logprobs": None}
+                for q, a in (("q1", "Paris"), ("q2", "Rome"), ("q3", "Oslo"))]
+        gen.close()
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    with ScriptedServer() as srv:
+        old_cache(tmp_path / "same.jsonl", srv.url)
+        srv.replies.append(answer("Paris"))                     # the check: the server repeats q1's answer
+        gen = CachedGenerator(OpenAICompatible(srv.url, "m", max_retries=0), tmp_path / "same.jsonl")
+        got = [gen.generate(Task.QA, PromptStyle.SIMPLE, q, ["p"]).response for q in ("q1", "q2", "q3")]
+        assert got == ["Paris", "Rome", "Oslo"] and len(srv.seen) == 1 and gen.legacy_ok is True
+        assert (gen.calls, gen.hits, gen.legacy_hits) == (1, 2, 2)
+        gen.close()
+        moved = CachedGenerator(OpenAICompatible(srv.other_url, "m", max_retries=0), tmp_path / "same.jsonl")
+        assert moved.generate(Task.QA, PromptStyle.SIMPLE, "q3", ["p"]).response == "Oslo"   # stored anew
+        assert len(srv.seen) == 1 and moved.legacy_hits == 0
+        moved.close()
+        old_cache(tmp_path / "changed.jsonl", srv.url)
+        srv.replies += [answer("Lyon"), answer("Milan")]       # another model: q1's answer differs
+        gen = CachedGenerator(OpenAICompatible(srv.url, "m", max_retries=0), tmp_path / "changed.jsonl")
+        got = [gen.generate(Task.QA, PromptStyle.SIMPLE, q, ["p"]).response for q in ("q1", "q2")]
+        assert got == ["Lyon", "Milan"] and gen.legacy_ok is False and gen.legacy_hits == 0
+        gen.close()

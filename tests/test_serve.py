@@ -73,7 +73,10 @@ def test_openai_client_gets_the_verified_answer_and_the_d2r_object(live):
     assert D2R_KEYS <= set(d2r) and out.choices[0].message.content and out.choices[0].finish_reason == "stop"
     assert len(d2r["passages"]) == 5 and {"id", "title", "score"} == set(d2r["passages"][0])
     lat = d2r["latency_ms"]
-    assert {"embed", "retrieve", "generate", "diagnose", "repair", "total", "overhead"} == set(lat)
+    assert {"embed", "retrieve", "generate", "diagnose", "gate", "repair", "other", "total", "repair_generate",
+            "overhead"} == set(lat)
+    parts = ("embed", "retrieve", "generate", "diagnose", "gate", "repair", "other")
+    assert abs(sum(lat[k] for k in parts) - lat["total"]) < 0.05          # the parts partition the total (ms)
     assert d2r["budget"]["repair_latency_s"] == 3.0 and d2r["budget"]["deadline_ms"] is None
     # the same answer streamed: role chunk, pieces, finish chunk with d2r, [DONE]
     stream = client.chat.completions.create(model="d2r-edge", messages=[{"role": "user", "content": q}],
@@ -106,6 +109,11 @@ def test_verify_models_health_and_metrics(live):
     assert status == 200 and hdrs["content-type"].startswith("text/plain")
     assert 'd2r_requests_total{route="chat_completions",status="200"}' in text
     assert 'd2r_stage_seconds_bucket{le="0.005",stage="embed"}' in text and "d2r_failures_total{" in text
+    sums = {line.split('stage="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("d2r_stage_seconds_sum{")}
+    parts = ("embed", "retrieve", "generate", "diagnose", "gate", "repair", "other")
+    assert set(parts) | {"total", "repair_generate", "overhead"} == set(sums)
+    assert sum(sums[k] for k in parts) == pytest.approx(sums["total"], abs=1e-3)   # summed over the requests
 
 
 BAD = [

@@ -170,3 +170,19 @@ def test_a_record_with_odd_types_still_renders(tmp_path):
     out = tmp_path / "r.html"
     write_report(_write(tmp_path, [odd, _record(2)]), out)
     assert summarize([c])["failures"] == {"['wrong_response']": 1} and out.stat().st_size > 1000
+
+
+def test_the_waterfall_partitions_the_query_time_and_names_the_repairs_generation():
+    """Issue 54: the waterfall drew the first attempt's stages and the repair's metered cost, which
+    left out the gate and counted nothing of what the repair did besides its attempt."""
+    rec = _record(1, repaired=True)
+    rec["final"]["timings_s"] = {**rec["final"]["timings_s"], "generate_s": 0.5}
+    rec.update(gate_s=0.003, repair_s=0.6, total_s=0.7)
+    c = card(rec, {})
+    parts = dict(c["waterfall"])
+    assert list(parts) == ["embed", "retrieve", "generate", "diagnose", "gate", "repair", "other"]
+    assert sum(parts.values()) == pytest.approx(0.7, abs=1e-4) and parts["repair"] == 0.6
+    assert parts["generate"] == 0.06 and c["repair_generate_s"] == 0.5     # the repair's own, inside repair
+    old = card(_record(2, repaired=True), {})     # a record from before gate_s / repair_s: the metered parts
+    assert dict(old["waterfall"])["repair"] == pytest.approx(0.05 + 2e-5)
+    assert card(_record(3), {})["repair_generate_s"] is None

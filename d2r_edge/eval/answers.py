@@ -369,6 +369,9 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
                  "train_files": [str(p) for p in s.train], "test_files": [str(p) for p in s.test],
                  "kb": ctx.kb_stats, "stored_attempts": len(ctx.store),
                  "generator_calls": ctx.generator.calls, "generator_cache_hits": ctx.generator.hits,
+                 "generator_cache_hits_old_key": ctx.generator.legacy_hits,
+                 "generator_cache_old_key_checked": ctx.generator.legacy_ok,
+                 "generator_served_model": ctx.generator.served,
                  "unavailable_arms": dict(ctx.pipeline.arms.unavailable),
                  "generator_failures": _failures(ctx), "phases": ctx.phases,
                  "answers_per_query": _answers_per_query(ctx)}

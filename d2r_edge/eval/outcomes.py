@@ -8,8 +8,8 @@ two methods (or two training epochs) pick is computed once, and a killed
 evaluation rerun with the same store redoes nothing that finished.
 
 `CachedGenerator` keys each generator request (task, prompt style when the
-generator has prompts, query, passages, and the generator's identity) and keeps
-the answer on disk, so a repeated request never reaches the LLM twice.
+generator has prompts, query, passages, and the model the server serves - not its
+URL) and keeps the answer on disk, so a repeated request never reaches the LLM twice.
 """
 
 from __future__ import annotations
@@ -162,6 +162,7 @@ class _RowLog:
     once and never written, what is added since kept in `new_rows` for the driver to store."""
 
     def __init__(self, path: Path, read_only: bool, valid) -> None:
+        self.path = path
         self._log = None if read_only else RecordLog(path, valid=valid)
         self.records = read_records(path, valid) if read_only else self._log.records
         self.new_rows: list[dict] = []
@@ -240,38 +241,75 @@ class AttemptStore:
 
 
 class CachedGenerator:
-    """A generator whose answers are kept on disk by request."""
+    """A generator whose answers are kept on disk by request.
+
+    The key is what determines the answer: the model the server says it serves
+    (`served_model()`: its id and file shape, not its URL), the sampling settings,
+    the prompt template's hash, the task, the query and the passages. The same model
+    behind another host or port replays; another model behind the same port does not.
+
+    Caches written before that (issue 54) keyed the server's URL and the requested
+    model name instead. They are still read under that old key, but only after one
+    check: the first request found only there is asked of the server again, and the
+    old answers are used only if the server gives the same one (at temperature 0 the
+    same model does); else none of them is (`legacy_ok`), and every answer is fresh.
+    A replayed old row is stored again under the new key.
+    """
 
     def __init__(self, inner, path: Path, read_only: bool = False) -> None:
         self.inner = inner
         self.name = getattr(inner, "name", type(inner).__name__)
         self.prompt_sensitive = getattr(inner, "prompt_sensitive", True)
-        base = {"name": self.name, "model": getattr(inner, "model", None),
-                "base_url": getattr(inner, "base_url", None), "temperature": getattr(inner, "temperature", None),
-                "max_tokens": getattr(inner, "max_tokens", None)}
-        # a request that draws samples is another request than one that does not (a first attempt
-        # vs a repair's); the one without has the key it had before samples existed
+        served = getattr(inner, "served_model", None)
+        self.served = served() if callable(served) else {"id": getattr(inner, "model", None)}
+        sampling = {"temperature": getattr(inner, "temperature", None), "max_tokens": getattr(inner, "max_tokens", None)}
+        samples = ({"samples": inner.samples, "sample_temperature": inner.sample_temperature}
+                   if getattr(inner, "samples", 0) else {})
+        base = {"name": self.name, "served": self.served, **sampling}
         self.identity = json.dumps(base, sort_keys=True)
-        self.sampled_identity = (json.dumps({**base, "samples": inner.samples,
-                                             "sample_temperature": inner.sample_temperature}, sort_keys=True)
-                                 if getattr(inner, "samples", 0) else self.identity)
+        self.sampled_identity = json.dumps({**base, **samples}, sort_keys=True) if samples else self.identity
+        # the key before issue 54: the URL and the requested model name (read only, checked once)
+        old = {"name": self.name, "model": getattr(inner, "model", None), "base_url": getattr(inner, "base_url", None),
+               **sampling}
+        self._legacy = (json.dumps(old, sort_keys=True),
+                        json.dumps({**old, **samples}, sort_keys=True) if samples else json.dumps(old, sort_keys=True))
+        self.legacy_ok: bool | None = None      # None: not checked yet
         self.log = _RowLog(path, read_only, generation_row_ok)      # read_only: new answers for the driver to `add`
         self._cache = {row["key"]: row for row in self.log.records}
-        self.calls = self.hits = 0
+        self.calls = self.hits = self.legacy_hits = 0
         self.added = self.requests = 0      # answers this process stored (local or from workers), their requests
 
-    def key(self, task, style, query: str, passages: list[str], sample: bool = True) -> str:
+    def _key(self, identity: str, task, style, query: str, passages: list[str]) -> str:
         # JSON mode is read per request: a server that rejects it changes the output format
-        req = [self.sampled_identity if sample else self.identity, task.value,
-               style.value if self.prompt_sensitive else None, query, passages,
+        req = [identity, task.value, style.value if self.prompt_sensitive else None, query, passages,
                getattr(self.inner, "json_mode", None)]
         if self.prompt_sensitive:      # the template's text too: a changed prompt is another request
             req.append(template_sha256(task, style))
         return hashlib.sha256(json.dumps(req, ensure_ascii=False).encode()).hexdigest()
 
+    def key(self, task, style, query: str, passages: list[str], sample: bool = True) -> str:
+        return self._key(self.sampled_identity if sample else self.identity, task, style, query, passages)
+
+    def legacy_key(self, task, style, query: str, passages: list[str], sample: bool = True) -> str:
+        return self._key(self._legacy[1] if sample else self._legacy[0], task, style, query, passages)
+
     def generate(self, task, style, query: str, passages: list[str], sample: bool = True) -> Generation:
         key = self.key(task, style, query, passages, sample)
         row = self._cache.get(key)
+        if row is None and self.legacy_ok is not False:
+            old = self._cache.get(self.legacy_key(task, style, query, passages, sample))
+            if old is not None and self.legacy_ok is None:
+                gen = self._call(key, task, style, query, passages, sample)
+                self.legacy_ok = gen.response == old["response"]
+                log.info("generation cache %s: rows under the key before issue 54 %s (the server %s the "
+                         "stored answer to one of them)", self.log.path, "are used" if self.legacy_ok else
+                         "are not used", "repeated" if self.legacy_ok else "did not repeat")
+                return gen
+            if old is not None:
+                self.legacy_hits += 1
+                row = {**old, "key": key}
+                self._cache[key] = row
+                self.log.append(row)
         if row is not None:
             self.hits += 1
             # the replayed answer carries the time the real call took, so the attempt's
@@ -279,6 +317,9 @@ class CachedGenerator:
             return Generation(row["response"], _label(row["label"]), row["raw"],
                               replayed_s=float(row.get("latency_s") or 0.0), logprobs=_logprobs(row),
                               samples=_samples(row), samples_s=float(row.get("samples_s") or 0.0))
+        return self._call(key, task, style, query, passages, sample)
+
+    def _call(self, key: str, task, style, query: str, passages: list[str], sample: bool) -> Generation:
         self.calls += 1
         t0 = time.perf_counter()
         gen = self.inner.generate(task, style, query, passages, sample=sample)

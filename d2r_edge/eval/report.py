@@ -323,9 +323,16 @@ def markdown(summary: dict) -> str:
         lines.append("FEVER accuracy is 3-way; UNVERIFIED (D2R's evidence-gated label) counts as NOT ENOUGH INFO.")
     else:
         lines.append("EM and F1 use SQuAD normalization, against the gold answer and its aliases.")
-    if summary.get("generator_cache_hits"):
-        lines.append(f"{summary['generator_cache_hits']} generator answers were replayed from the generation "
-                     f"cache in this run; their attempts' latency counts the time the original call took.")
+    if "generator_cache_hits" in summary:
+        hits, old = summary["generator_cache_hits"], summary.get("generator_cache_hits_old_key") or 0
+        served = summary.get("generator_served_model")      # the server's words: quoted as code, one line
+        served = "`" + json.dumps(served, ensure_ascii=True).replace("`", "'")[:300] + "`" if served else None
+        lines.append(f"Generator answers from the generation cache in this run: {hits} (asked of the server: "
+                     f"{summary.get('generator_calls')}); a replayed answer's attempt counts the time the original "
+                     f"call took. The cache is keyed by the model the server serves"
+                     f"{f' ({served})' if served else ''}, not its URL"
+                     + (f"; {old} of the replayed answers were stored under the key before that (URL and model "
+                        f"name), used after the server repeated one of them" if old else "") + ".")
     failed = summary.get("generator_failures") or {}
     if failed.get("train") or failed.get("test"):
         lines.append(f"Left out after a generator failure (after the client's retries): {failed['test']} test and "

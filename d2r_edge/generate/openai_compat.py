@@ -37,6 +37,8 @@ RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 MAX_BODY_BYTES = 16 << 20        # a completion larger than this is a broken server, not an answer
 MIN_ATTEMPT_S = 0.05             # a retry that would get less than this before the deadline does not start
 CONNECT_TIMEOUT_S = 10.0
+# llama.cpp's /v1/models `meta`: what names a model file wherever it is served from
+MODEL_META_KEYS = ("n_params", "size", "n_vocab", "n_ctx_train", "n_embd", "vocab_type")
 
 
 class GeneratorError(D2RError):
@@ -253,6 +255,36 @@ class OpenAICompatible:
         raise GeneratorError(f"generator at {self.where}: {failure.reason} (attempt {attempts} of "
                              f"{self.max_retries + 1}){detail}", timed_out=failure.timed_out,
                              status=failure.status, attempts=attempts, context_exceeded=failure.context_exceeded)
+
+    def served_model(self) -> dict:
+        """What the server says it serves (GET {base_url}/models), in the form the generation cache
+        keys answers by: the model's id (a file path's name only: the same file served from another
+        folder is the same model) and, where the server reports it (llama.cpp's `meta`: parameter
+        count, file size, vocabulary, context, width), the file's shape - never the URL. Several models
+        and none with the requested name (a hosted API): the requested name. Raises GeneratorError
+        when the server does not say."""
+        url = self.base_url.rstrip("/") + "/models"
+        try:
+            r = self._http().get(url, headers=self._headers(), timeout=httpx.Timeout(
+                min(self.timeout_s, 30.0), connect=min(self.timeout_s, CONNECT_TIMEOUT_S)))
+            body = r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            raise GeneratorError(f"generator at {self.where}: GET /models failed ({type(exc).__name__}); is the "
+                                 f"server up?") from None
+        if body is None:
+            raise GeneratorError(f"generator at {self.where}: GET /models answered {status_text(r.status_code)}",
+                                 status=r.status_code)
+        entries = [e for e in (body.get("data") if isinstance(body, dict) else None) or [] if isinstance(e, dict)]
+        named = [e for e in entries if e.get("id") == self.model]
+        entry = named[0] if named else entries[0] if len(entries) == 1 else None
+        if entry is None:
+            return {"id": self.model}
+        model_id = str(entry.get("id") or self.model)
+        if model_id.startswith(("/", "./")) or model_id.endswith((".gguf", ".bin")):
+            model_id = model_id.replace("\\", "/").rsplit("/", 1)[-1]
+        meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
+        shape = {k: meta[k] for k in MODEL_META_KEYS if isinstance(meta.get(k), (int, float, str))}
+        return {"id": model_id, **({"meta": shape} if shape else {})}
 
     def complete(self, messages: list[dict], max_tokens: int | None = None, stop: list[str] | None = None,
                  json_mode: bool | None = None, temperature: float | None = None, seed: int | None = None,

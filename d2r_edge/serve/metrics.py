@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from d2r_edge.latency import STAGES as PARTS
 from d2r_edge.runtime import Result
 
 # per-stage seconds: the embedder's few ms up to a CPU LLM's tens of seconds
 _BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-STAGES = ("embed", "retrieve", "generate", "diagnose", "repair", "overhead", "total")
+# the parts of a request's time (they sum to total), then total, the repair's own generation (inside
+# repair) and overhead (total minus both generations: d2r-edge's own cost); d2r_edge.latency
+STAGES = (*PARTS, "total", "repair_generate", "overhead")
 
 
 class Metrics:
@@ -16,7 +19,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("d2r_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
-        self.stage = Histogram("d2r_stage_seconds", "Per-request time by stage (overhead = total - generate)",
+        self.stage = Histogram("d2r_stage_seconds", "Per-request time by stage (the parts embed..other sum to total; "
+                               "overhead = total - generate - repair_generate)",
                                ["stage"], buckets=_BUCKETS_S, registry=r)
         self.failures = Counter("d2r_failures", "First answers by diagnosed failure type", ["failure_type"],
                                 registry=r)

@@ -16,6 +16,8 @@ from pathlib import Path
 from d2r_edge.errors import InputError
 from d2r_edge.eval.metrics import percentiles
 from d2r_edge.jsonl import loads as json_line
+from d2r_edge.latency import STAGES as PARTS
+from d2r_edge.latency import split_s
 from d2r_edge.runner import scan_records
 
 STAGES = ("embed_query_s", "retrieve_s", "refresh_s", "generate_s", "diagnose_s")
@@ -129,6 +131,10 @@ def card(rec: dict, titles: dict[str, dict]) -> dict:
             "policy_ms": None if _num(rep.get("policy_s")) is None else round(rep["policy_s"] * 1e3, 3),
         }
     out["changed"] = out["first_answer"] != out["final_answer"]
+    # the waterfall: the parts of the query's time, which sum to total_s (d2r_edge.latency)
+    split = split_s(rec)
+    out["waterfall"] = [[k, round(split[k], 5)] for k in PARTS if split[k] > 0]
+    out["repair_generate_s"] = round(split["repair_generate"], 5) if rep else None
     return out
 
 

@@ -19,13 +19,14 @@ function passages(att){var box=el("div");
     var q=el("div");q.appendChild(el("div","meta","vs query"));q.appendChild(bar(p.q));row.appendChild(q);
     var r=el("div");r.appendChild(el("div","meta","vs response"));r.appendChild(bar(p.r));row.appendChild(r);
     box.appendChild(row);});return box;}
-function waterfall(c){var box=el("div"),parts=[];
-  var st=(c.first&&c.first.stages)||{};DATA.stages.forEach(function(k){if(st[k]!==undefined&&st[k]!==null)parts.push([k,st[k]]);});
-  if(c.repair&&c.repair.latency_s!==null)parts.push(["repair ("+c.repair.arm+")",c.repair.latency_s]);
-  var total=parts.reduce(function(a,p){return a+p[1];},0)||1,at=0;
-  parts.forEach(function(p,i){var line=el("div","wf"),seg=el("i","s"+Math.min(i,5));
+function waterfall(c){var box=el("div"),parts=c.waterfall||[];
+  var total=c.total_s||parts.reduce(function(a,p){return a+p[1];},0)||1,at=0;
+  parts.forEach(function(p,i){var line=el("div","wf"),seg=el("i","s"+Math.min(i,5)),name=p[0];
+    if(name==="repair"&&c.repair)name="repair ("+c.repair.arm+(c.repair_generate_s!==null?", its generation "+
+      fmt(c.repair_generate_s*1000,1)+" ms":"")+")";
     seg.style.left=(at/total*100)+"%";seg.style.width=Math.max(0.4,p[1]/total*100)+"%";line.appendChild(seg);
-    box.appendChild(el("div","meta",p[0].replace(/_s$/,"")+" "+fmt(p[1]*1000,1)+" ms"));box.appendChild(line);at+=p[1];});
+    box.appendChild(el("div","meta",name+" "+fmt(p[1]*1000,1)+" ms"));box.appendChild(line);at+=p[1];});
+  box.appendChild(el("div","meta","total "+fmt(total*1000,1)+" ms"));
   return box;}
 function mark(v){return v===null?"":(v?" \u2713":" \u2717");}
 function render(c){var d=el("div","card");

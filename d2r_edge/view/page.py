@@ -20,7 +20,7 @@ import html
 import json
 from importlib import resources
 
-from d2r_edge.view.cards import NLI_KEYS, STAGES
+from d2r_edge.view.cards import NLI_KEYS
 
 # the page's own style and script ship beside this module (package data); the script's sha256 is the CSP's
 _CSS = resources.files(__package__).joinpath("page.css").read_text(encoding="utf-8")
@@ -86,7 +86,6 @@ def render_page(cards: list[dict], summary: dict, *, title: str, note: str = "",
                 poll_ms: int = 4000) -> str:
     """The whole page as one string. `live`: a same-origin URL the page polls for fresh cards (serve --ui)."""
     data = {"cards": cards, "failures": summary["failures"], "nli": list(NLI_KEYS),
-            "stages": list(STAGES),
             "live": live, "poll_ms": poll_ms}
     script_hash = base64.b64encode(hashlib.sha256(_JS.encode("utf-8")).digest()).decode()
     csp = (f"default-src 'none'; script-src 'sha256-{script_hash}'; style-src 'unsafe-inline'; "
