@@ -46,7 +46,7 @@ def test_one_class_only_has_no_auroc():
     assert auprc([0.1, 0.2], [False, False]) is None
     row = detection_row("x", [0.1, 0.9], [False, False], [False, True])
     assert row == {"score": "x", "auroc": None, "auprc": None, "n": 2, "n_wrong": 0, "flagged": 1,
-                   "flagged_wrong": 0, "auroc_ci95": None, "auprc_ci95": None}
+                   "flagged_wrong": 0, "auroc_ci95": None, "auprc_ci95": None, "bootstrap_resamples": 2000}
 
 
 def _diag(pq, pr, kg=KGStatus.NO_TRIPLETS):

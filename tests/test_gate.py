@@ -339,7 +339,7 @@ class _FakeCtx:
         from types import SimpleNamespace
 
         rng = np.random.default_rng(3)
-        self.settings = SimpleNamespace(task=Task.QA, out=out)
+        self.settings = SimpleNamespace(task=Task.QA, out=out, bootstrap_resamples=300)
         self._wrong, self._att = {}, {}
         qs = []
         for i in range(n_train + n_test):
@@ -373,6 +373,7 @@ def test_detection_rows_carry_intervals_per_test_file_and_warn_on_a_shift(caplog
     pooled = [r for r in rows if "file" not in r]
     assert [r["score"] for r in pooled] == ["alg1_nli", "calibrated"]
     cal = pooled[1]
+    assert {r["bootstrap_resamples"] for r in rows} == {300}          # --bootstrap reaches the detection rows
     lo, hi = cal["auroc_ci95"]
     assert lo < cal["auroc"] < hi and 0.0 <= lo and hi <= 1.0
     assert cal["auroc_minus_alg1_nli"]["ci95"][0] < cal["auroc_minus_alg1_nli"]["mean"]

@@ -31,7 +31,7 @@ import logging
 import numpy as np
 
 from d2r_edge.errors import ConfigError
-from d2r_edge.eval.detection import alg1_score, auprc, auroc, bootstrap, cross_validated
+from d2r_edge.eval.detection import BOOTSTRAP, alg1_score, auprc, auroc, bootstrap, cross_validated
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +58,17 @@ def variants(groups: dict[str, tuple[str, ...]]) -> list[tuple[str, tuple[str, .
             + [(f"without {g}", tuple(n for n in every if n not in names)) for g, names in groups.items()])
 
 
-def _row(name: str, n_features: int | None, scores, wrong, train_cv: dict | None) -> dict:
+def _row(name: str, n_features: int | None, scores, wrong, train_cv: dict | None,
+         resamples: int = BOOTSTRAP) -> dict:
     return {"variant": name, "features": n_features, "auroc": auroc(scores, wrong), "auprc": auprc(scores, wrong),
-            **bootstrap(scores, wrong),
+            **bootstrap(scores, wrong, resamples=resamples),
             "train_cv_auroc": None if train_cv is None else train_cv["auroc"],
             "train_cv_auroc_sd": None if train_cv is None else train_cv["auroc_sd"]}
 
 
 def ablation_rows(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
                   names: tuple[str, ...], groups: dict[str, tuple[str, ...]], task: str,
-                  cv_seeds: int = CV_SEEDS) -> list[dict]:
+                  cv_seeds: int = CV_SEEDS, resamples: int = BOOTSTRAP) -> list[dict]:
     """One row per variant (module docstring); a variant whose features are missing on every training
     query, or that cannot be fitted, is a row with `skipped` saying why."""
     from d2r_edge.detector import Detector
@@ -76,7 +77,7 @@ def ablation_rows(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, 
     try:      # the gate's own detector: it chooses its groups inside each fit (the CV is nested)
         det = Detector.fit(x_train, y_train, names, task, groups=groups)
         row = _row("selected", sum(1 for w in det.weights if w != 0.0), det.p_wrong_many(x_test), y_test,
-                   cross_validated(x_train, y_train, names, task, seeds=cv_seeds, groups=groups))
+                   cross_validated(x_train, y_train, names, task, seeds=cv_seeds, groups=groups), resamples)
         rows.append({**row, "groups_kept": det.fit_stats.get("groups_kept")})
     except ConfigError as exc:
         rows.append({"variant": "selected", "features": None, "skipped": str(exc)})
@@ -93,7 +94,7 @@ def ablation_rows(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, 
             rows.append({"variant": name, "features": len(keep), "skipped": str(exc)})
             continue
         cv = cross_validated(xs_train, y_train, keep, task, seeds=cv_seeds)
-        rows.append(_row(name, len(keep), det.p_wrong_many(xs_test), y_test, cv))
+        rows.append(_row(name, len(keep), det.p_wrong_many(xs_test), y_test, cv, resamples))
     return rows
 
 
@@ -133,9 +134,10 @@ def ablation(ctx, cv_seeds: int = CV_SEEDS) -> dict | None:
            "costs_s": signal_costs(train_firsts + test_firsts), "cv_fold_seeds": cv_seeds}
     for label in y_train:
         yt, ye = y_train[label], y_test[label]
-        alg1 = _row("alg1_nli", None, alg1_test, ye, None)
+        alg1 = _row("alg1_nli", None, alg1_test, ye, None, ctx.settings.bootstrap_resamples)
         alg1["train_auroc"] = auroc(alg1_train, yt)
-        rows = [alg1, *ablation_rows(x_train, yt, x_test, ye, names, groups, ctx.settings.task.value, cv_seeds)]
+        rows = [alg1, *ablation_rows(x_train, yt, x_test, ye, names, groups, ctx.settings.task.value, cv_seeds,
+                                     ctx.settings.bootstrap_resamples)]
         out["labels"][label] = {"n_train": int(len(yt)), "n_train_wrong": int(yt.sum()), "n_test": int(len(ye)),
                                 "n_test_wrong": int(ye.sum()), "rows": rows}
         log.info("detection ablation (%s): %d variants", label, len(rows))

@@ -90,7 +90,7 @@ def alg1_score(diagnosis) -> float:
     return 1.0 - min(bears, entailed)
 
 
-BOOTSTRAP = 2000        # resamples behind every detection interval (seeded: the same run gives the same figures)
+BOOTSTRAP = 2000        # default resamples behind a detection interval; `eval answers --bootstrap` sets them (seeded)
 
 
 def bootstrap(scores, wrong, others: dict | None = None, resamples: int = BOOTSTRAP,
@@ -120,11 +120,12 @@ def bootstrap(scores, wrong, others: dict | None = None, resamples: int = BOOTST
                for k, v in diffs.items()}}
 
 
-def detection_row(name: str, scores, wrong, flagged, others: dict | None = None) -> dict:
+def detection_row(name: str, scores, wrong, flagged, others: dict | None = None,
+                  resamples: int = BOOTSTRAP) -> dict:
     wrong, flagged = np.asarray(wrong, dtype=bool), np.asarray(flagged, dtype=bool)
     return {"score": name, "auroc": auroc(scores, wrong), "auprc": auprc(scores, wrong), "n": int(len(wrong)),
             "n_wrong": int(wrong.sum()), "flagged": int(flagged.sum()), "flagged_wrong": int((flagged & wrong).sum()),
-            **bootstrap(scores, wrong, others)}
+            **bootstrap(scores, wrong, others, resamples), "bootstrap_resamples": resamples}
 
 
 def _first_attempts(ctx, queries) -> tuple[list, np.ndarray]:
@@ -204,11 +205,13 @@ def _rows(ctx, queries) -> list[dict]:
     firsts, wrong = _first_attempts(ctx, queries)
     flagged = [a.diagnosis.failure is not FailureType.NO_FAILURE for a in firsts]
     alg1 = [alg1_score(a.diagnosis) for a in firsts]
-    rows = [detection_row("alg1_nli", alg1, wrong, flagged)]
+    n = ctx.settings.bootstrap_resamples
+    rows = [detection_row("alg1_nli", alg1, wrong, flagged, resamples=n)]
     det = ctx.pipeline.detector
     if det is not None:
         p = det.p_wrong_many(feature_matrix(firsts, ctx.settings.task.fact_verification))
-        rows.append({**detection_row("calibrated", p, wrong, [x >= det.threshold for x in p], {"alg1_nli": alg1}),
+        rows.append({**detection_row("calibrated", p, wrong, [x >= det.threshold for x in p], {"alg1_nli": alg1},
+                                     resamples=n),
                      "threshold": det.threshold, "fit": det.fit_stats})
     return rows
 
