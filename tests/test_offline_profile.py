@@ -386,6 +386,14 @@ def test_eval_refuses_test_files_the_fine_tuning_saw(tmp_path):
     check_unseen_by_finetuning(settings(Split.HELDOUT))
     manifest({"hotpotqa/dev.jsonl": digest})                  # the export left it out: every question is unseen
     check_unseen_by_finetuning(settings(Split.ALL))
+    # FEVER dev trained on in part (exports before issue 50): refused on the held-out side too
+    training = {"data_files_sha256": {"fever/dev.jsonl": digest}, "split": {"rule": "sha256(...) % 100 < 20"}}
+    (models / "manifest.json").write_text(json.dumps({"roles": {"nli": {"training": training}}}))
+    with pytest.raises(InputError, match="share|same evidence.*Re-export"):
+        check_unseen_by_finetuning(settings(Split.HELDOUT))
+    training["split"]["excluded_files"] = {"fever/dev.jsonl": digest}     # today's exports leave it out whole
+    (models / "manifest.json").write_text(json.dumps({"roles": {"nli": {"training": training}}}))
+    check_unseen_by_finetuning(settings(Split.ALL))
 
 
 def test_the_cli_flag_reaches_the_settings():

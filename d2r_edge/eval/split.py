@@ -1,9 +1,14 @@
 """The held-out rule shared by the offline models' training and the evaluations.
 
-A query is held out when sha256 of its normalized text falls in the first 20
-of 100 buckets. The offline NLI and reranker never train on held-out queries
-(export/finetune_data.py), so evaluations that use those models draw their test
-queries (and policy-training queries) from the held-out side.
+QA: a question is held out when sha256 of its normalized text falls in the first
+20 of 100 buckets. The offline NLI and reranker never train on held-out questions
+(export/finetune_data.py), so QA evaluations with those models draw their test
+questions (and policy-training questions) from the held-out side, or from a file
+the export left out whole (`--finetune-exclude`).
+
+FEVER: the offline models read no claim and no evidence sentence of
+`fever/dev.jsonl` (issue 50: claims written from the same evidence made a claim
+split leak its premises), so every dev claim is unseen: evaluate with `--split all`.
 """
 
 from __future__ import annotations
