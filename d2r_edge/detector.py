@@ -350,6 +350,12 @@ class Detector:
             return tried[chosen][0], chosen, tried[chosen][1], {str(v): round(tried[v][0], 6) for v in tried}
 
         kept = [g for g, members in (groups or {}).items() if members]
+        # a group missing on every training query (no samples drawn, no log-probs given) says nothing:
+        # it is never kept, whatever the elimination below would decide about a constant column
+        absent = [g for g in kept if np.isnan(x[:, [names.index(n) for n in groups[g]]]).all()]
+        kept = [g for g in kept if g not in absent]
+        if groups and not kept:
+            raise ConfigError("detector fit: every signal group is missing on every training query")
         cols_of = {g: [names.index(n) for n in groups[g]] for g in kept}
         cols = sorted(c for g in kept for c in cols_of[g]) if groups else list(range(len(names)))
         current = best(cols)
@@ -389,8 +395,9 @@ class Detector:
                  "out_of_fold_log_loss": loss_oof, "out_of_fold_balanced_accuracy_at_threshold": bal,
                  "threshold_rule": "max balanced accuracy of the out-of-fold P(wrong)"}
         if groups:
-            stats.update(groups_kept=kept, groups_dropped=dropped,
-                         group_rule="backward elimination on the out-of-fold log-loss")
+            stats.update(groups_kept=kept, groups_dropped=dropped, groups_missing=absent,
+                         group_rule="groups missing on every training query left out; then backward elimination "
+                                    "on the out-of-fold log-loss")
         present_share = {names[c]: float(present[:, j].mean()) for j, c in enumerate(cols)}
         stats["missing_share"] = {n: 1.0 - present_share[n] for n in names if n in MAY_BE_MISSING
                                   and n in present_share}

@@ -491,6 +491,27 @@ def test_the_detector_chooses_its_signal_groups_on_training_folds(tmp_path):
     assert auroc(det.p_wrong_many(x_new), y_new) > 0.8
 
 
+def test_a_signal_group_missing_on_every_training_query_is_never_kept():
+    """Found from outside (issue 53): with no self-consistency samples drawn, the detector reported the
+    self_consistency group as kept (a constant column the elimination never dropped)."""
+    from d2r_edge.detector import feature_groups
+
+    names, groups = feature_names(False), feature_groups(False)
+    rng = np.random.default_rng(3)
+    n = 120
+    y = rng.random(n) < 0.4
+    x = rng.normal(size=(n, len(names)))
+    for name in groups["log_probs"]:
+        x[:, names.index(name)] = np.where(y, -2.0, -0.5) + rng.normal(0, 0.9, size=n)
+    for name in groups["self_consistency"]:
+        x[:, names.index(name)] = np.nan                                   # no samples drawn at all
+    det = Detector.fit(x, y, names, "qa", groups=groups)
+    s = det.fit_stats
+    assert s["groups_missing"] == ["self_consistency"] and "self_consistency" not in s["groups_kept"]
+    assert set(s["groups_kept"]) | set(s["groups_dropped"]) == set(groups) - {"self_consistency"}
+    assert all(det.weights[names.index(m)] == 0.0 for m in groups["self_consistency"])
+
+
 def test_per_file_detection_rows_name_files_that_share_a_name_apart():
     # HotpotQA's distractor and fullwiki questions are both dev.jsonl: the per-file table said 'dev.jsonl' twice
     from d2r_edge.eval.report import file_labels
