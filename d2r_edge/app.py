@@ -8,8 +8,15 @@ from pathlib import Path
 
 import numpy as np
 
+from d2r_edge.accept import Comparator
 from d2r_edge.budget import CostModel, MemoryProbe, Meter
-from d2r_edge.config import Budget, ContextConfig, ExplorationConfig, RewardConfig, RewardQuality
+from d2r_edge.config import (
+    Budget,
+    ContextConfig,
+    ExplorationConfig,
+    RewardConfig,
+    RewardQuality,
+)
 from d2r_edge.detector import Detector, Gate
 from d2r_edge.diagnose import Diagnoser, ResponseNLI
 from d2r_edge.errors import ConfigError, PolicyFileError
@@ -68,6 +75,8 @@ class RunSettings:
     create_policy: bool = False            # train: a --policy file that does not exist yet is started fresh
     gate: Gate = Gate.PAPER                # which first answers are repaired (d2r_edge.detector)
     detector_path: Path | None = None      # the calibrated detector (JSON); loaded when given
+    accept_path: Path | None = None        # the accept/revert comparator (JSON, d2r_edge.accept); needs the detector
+    unverified_rule: bool = True           # FEVER: UNVERIFIED first answers get retrieval arms only (the paper's)
     nli_cache_pairs: int = 4096            # NLI scores of recent pairs kept (onnx/sharing.py); 0 = none
     parallel_requests: int = 1             # Runtime: queries answered at once (1 = one at a time)
     micro_batch_pairs: int = 0             # > 0: concurrent queries' NLI pairs merged up to this many
@@ -210,7 +219,9 @@ def build_pipeline(s: RunSettings) -> Pipeline:
                     explorer=Explorer(IS_RETRIEVAL, s.exploration) if s.exploration.rate > 0 else None,
                     refresh=refresh, default=PipelineConfig(evidence_titles=s.evidence_titles), arms=arms,
                     gate=s.gate, detector=(Detector.load(s.detector_path, s.task.fact_verification)
-                                           if s.detector_path is not None else None))
+                                           if s.detector_path is not None else None),
+                    comparator=Comparator.load(s.accept_path) if s.accept_path is not None else None,
+                    unverified_rule=s.unverified_rule)
 
 
 def without_refresh(arms: ArmAvailability) -> ArmAvailability:
@@ -243,7 +254,12 @@ def fit_detector_on_queries(pipeline: Pipeline, queries, path: Path) -> Detector
     """The calibrated detector fitted on the first attempts of the labeled `queries` (FEVER labels, QA
     gold answers; unlabeled ones are skipped) and saved to `path`. The first attempts are computed
     here and again when the policy trains (they are not kept: a refresh arm changes the KB)."""
-    from d2r_edge.detector import feature_groups, feature_matrix, feature_names, first_answer
+    from d2r_edge.detector import (
+        feature_groups,
+        feature_matrix,
+        feature_names,
+        first_answer,
+    )
     from d2r_edge.runner import correct
 
     fv = pipeline.task.fact_verification

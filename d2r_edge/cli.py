@@ -206,7 +206,8 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
                       timeout_s=args.timeout_s, self_consistency=args.self_consistency,
                       sample_temperature=args.sample_temperature, alpha=args.alpha, budget=budget, seed=args.seed,
                       qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages,
-                      gate=Gate(args.gate), response_nli=ResponseNLI.ALL)   # detection reads every pair
+                      gate=Gate(args.gate), response_nli=ResponseNLI.ALL,   # detection reads every pair
+                      unverified_rule=not args.no_unverified_rule)
     s = EvalSettings(task=Task(args.task), train=tuple(map(Path, args.train)), test=tuple(map(Path, args.test)),
                      models=Path(args.models), out=out, train_limit=args.train_limit, test_limit=args.test_limit,
                      train_limit_per_file=args.train_limit_per_file,
@@ -263,9 +264,20 @@ def _settings(args: argparse.Namespace):
         exploration=ExplorationConfig(rate=args.explore, seed=args.seed),
         refresh_pool=Path(args.refresh_pool) if args.refresh_pool else None, seed=args.seed,
         qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages, gate=Gate(args.gate),
-        detector_path=_detector(args), nli_cache_pairs=args.nli_cache_pairs,
+        detector_path=_detector(args), accept_path=_existing(getattr(args, "accept", None), "--accept"),
+        unverified_rule=not args.no_unverified_rule,
+        nli_cache_pairs=args.nli_cache_pairs,
         parallel_requests=getattr(args, "parallel", 1), micro_batch_pairs=getattr(args, "micro_batch_pairs", 0),
         micro_batch_wait_ms=getattr(args, "micro_batch_wait_ms", 2.0), response_nli=args.response_nli)
+
+
+def _existing(path: str | None, flag: str) -> Path | None:
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        raise InputError(f"no file at {path} ({flag}); `d2r-edge eval answers` with an *_accept method writes "
+                         f"one (comparator.json in its --out)")
+    return Path(path)
 
 
 def _detector(args: argparse.Namespace) -> Path | None:
@@ -326,6 +338,9 @@ def _check_detector(settings) -> None:
     if settings.gate.value == "calibrated" and settings.detector_path is None:
         raise InputError("--gate calibrated needs a fitted detector: give --detector FILE, or --policy P.npz "
                          "trained with `d2r-edge train --gate calibrated` (it writes P.detector.json)")
+    if settings.accept_path is not None and settings.detector_path is None:
+        raise InputError("--accept compares the detector's P(wrong) of the first and the repaired answer: give "
+                         "--detector FILE too (eval answers writes detector.json beside comparator.json)")
     if settings.reward.quality.value == "detector" and settings.detector_path is None:
         raise InputError("--reward-quality detector needs a fitted detector: give --detector FILE, or --policy "
                          "P.npz trained with `d2r-edge train --reward-quality detector` (it writes P.detector.json)")
@@ -410,6 +425,10 @@ def _pipeline_args(p: argparse.ArgumentParser, generator_key_flag: str = "--api-
                    help="calibrated detector JSON (default: POLICY.detector.json beside --policy, which "
                         "`train --gate calibrated` fits on the labeled queries); when loaded, records carry "
                         "p_wrong under either gate")
+    p.add_argument("--accept", default=None, metavar="FILE",
+                   help="accept or revert each repair with this comparator (comparator.json from eval answers "
+                        "with an *_accept method; needs --detector): the first answer stands when the check "
+                        "trusts it more; records say repair.kept and why")
     p.add_argument("--response-nli", default="until_entailed", choices=["until_entailed", "all"],
                    help="e_r's (passage, response) pairs: until_entailed = most word-sharing passage first, stop "
                         "at the first entailment (the same verdicts, fewer NLI calls; default), all = every pair "
@@ -472,6 +491,9 @@ def _generator_args(p: argparse.ArgumentParser, key_flag: str = "--api-key-env")
                    help="which first answers are repaired: paper = Algorithm 1's failures; calibrated = the "
                         "fitted detector's P(wrong) >= its threshold, with P(wrong) in the policy's context "
                         "(d2r_edge/detector.py; see the README for which measured better)")
+    p.add_argument("--no-unverified-rule", action="store_true",
+                   help="FEVER: let every arm act on a first answer the evidence gate turned UNVERIFIED (the "
+                        "paper's rule, on by default, allows only retrieval arms there); an ablation")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

@@ -417,13 +417,14 @@ class Detector:
         tmp.replace(path)
 
     @classmethod
-    def load(cls, path: Path, fact_verification: bool) -> "Detector":
+    def load(cls, path: Path, fact_verification: bool, names: tuple[str, ...] | None = None) -> "Detector":
+        """`names`: the features of another model of this form (the accept/revert comparator's)."""
         path = Path(path)
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read the detector {path}: {exc}; {REFIT}") from exc
-        want = feature_names(fact_verification)
+        want = names or feature_names(fact_verification)
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise ConfigError(f"{path} is not a {FORMAT} file; {REFIT}")
         if tuple(raw.get("features") or ()) != want:

@@ -47,7 +47,10 @@ def split_s(rec: dict) -> dict[str, float]:
     out["other"] = max(0.0, total - sum(out.values()))
     repaired = isinstance(rec.get("repair"), dict)
     out["total"] = total
-    out["repair_generate"] = _f(_timings(rec, "final").get("generate_s")) if repaired else 0.0
+    rep = rec.get("repair") if repaired else {}
+    # the repair's own generation: recorded with it (a reverted repair's final attempt is the first one)
+    out["repair_generate"] = (_f(rep["generate_s"]) if "generate_s" in rep
+                              else _f(_timings(rec, "final").get("generate_s")) if repaired else 0.0)
     out["overhead"] = max(0.0, total - out["generate"] - out["repair_generate"])
     return out
 

@@ -11,6 +11,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 import d2r_edge.deadline as deadline
+from d2r_edge.accept import Comparator, Decision, Kept, delivered
 from d2r_edge.budget import CostModel, Measurement, Meter
 from d2r_edge.config import Budget, RewardConfig, RewardQuality
 from d2r_edge.consistency import majority
@@ -99,6 +100,8 @@ class Pipeline:
     arms: ArmAvailability = field(default_factory=ArmAvailability)   # what the loaded models can run
     gate: Gate = Gate.PAPER
     detector: Detector | None = None            # P(wrong): recorded when loaded, gates with Gate.CALIBRATED
+    comparator: Comparator | None = None        # accept or revert each repair (d2r_edge.accept); needs the detector
+    unverified_rule: bool = True                # FEVER: an UNVERIFIED first answer gets retrieval arms only
     # the policy (select/update) and a refresh, when queries run in parallel threads
     state_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
@@ -131,12 +134,26 @@ class Pipeline:
                               "--detector FILE (train --reward-quality detector writes one), or use "
                               "--reward-quality alg1")
 
+    def accept_or_revert(self, first: Attempt, second: Attempt, arm: int, p_wrong_first: float | None,
+                         training_query: str | None = None) -> Decision | None:
+        """With a comparator: whether the repaired answer or the first one stands (d2r_edge.accept)."""
+        if self.comparator is None:
+            return None
+        if self.detector is None:
+            raise ConfigError("accept/revert (--accept FILE) compares the detector's P(wrong) of both answers: "
+                              "give --detector FILE too (eval answers writes both)")
+        fv = self.task.fact_verification
+        if p_wrong_first is None:
+            p_wrong_first = self.detector.assess(first, fv, training_query)[0]
+        p_wrong_second = self.detector.assess(second, fv)[0]
+        return self.comparator.decide(first, second, arm, p_wrong_first, p_wrong_second, fv)
+
     def repairs(self, first: Attempt, training_query: str | None = None) -> bool:
         return self.assess(first, training_query)[0]
 
     def allowed(self, first: Diagnosis) -> np.ndarray:
         """The arms that may repair this first answer: the UNVERIFIED rule and the loaded models."""
-        return allowed_arms(first.unverified, self.task.restrict_unverified, self.arms.mask)
+        return allowed_arms(first.unverified, self.task.restrict_unverified and self.unverified_rule, self.arms.mask)
 
     def effective(self, cfg: PipelineConfig) -> PipelineConfig:
         """`cfg` with what cannot change the outcome taken out: refresh without a refresh source,
@@ -305,9 +322,7 @@ class Pipeline:
         return allowed & (predicted <= left_s), cheapest
 
     def answer(self, a: Attempt) -> str:
-        if self.task.fact_verification:
-            return (a.diagnosis.gated_label or Label.NOT_ENOUGH_INFO).value
-        return a.generation.response
+        return delivered(a, self.task.fact_verification)
 
     def _repair(self, query: str, q_vec: np.ndarray, first: Attempt, allowed: np.ndarray, learn: bool,
                 spent_s: float, p_wrong: float | None = None) -> tuple[dict, Attempt]:
@@ -331,11 +346,14 @@ class Pipeline:
         second, cost = self.metered_attempt(query, ARMS[arm].apply(self.default), q_vec, first=first)
         d2 = second.diagnosis
         p_wrong_after = self.repaired_p_wrong(second)
+        decision = self.accept_or_revert(first, second, arm, p_wrong, training_query=query if learn else None)
         r = reward(no_failure=d2.failure is FailureType.NO_FAILURE,
                    kg_consistent=d2.kg is KGStatus.CONSISTENT,
                    nli_entailed=d2.e_r is Entailment.ENTAILMENT,
                    latency_s=cost.latency_s, device_mem_mib=cost.mem_growth_mib,
                    budget=budget, cfg=self.reward_cfg, p_wrong=p_wrong_after)
+        if decision is not None and decision.kept is Kept.FIRST:
+            r = 0.0         # a reverted repair gave the user nothing
         self.costs.observe(arm, cost.latency_s, cost.mem_growth_mib)
         t1 = time.perf_counter()
         updates_after = None
@@ -358,5 +376,7 @@ class Pipeline:
             "reward": r, "reward_quality": self.reward_cfg.quality.value, "p_wrong_after": p_wrong_after,
             "x": x.tolist() if learn else None, "policy_s": policy_s,
             "is_retrieval_arm": bool(IS_RETRIEVAL[arm]), "unavailable": dict(self.arms.unavailable),
-            "policy_updates": updates_after,
-        }, second
+            "policy_updates": updates_after, "generate_s": second.timings_s.get("generate_s", 0.0),
+            "kept": Kept.REPAIRED.value if decision is None else decision.kept.value,
+            "accept": None if decision is None else decision.to_record(),
+        }, (first if decision is not None and decision.kept is Kept.FIRST else second)

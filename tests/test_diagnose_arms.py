@@ -134,6 +134,26 @@ def test_unverified_rule():
     assert allowed_arms(True, restrict_unverified=False).all()   # QA (reference HotpotQA scripts)
 
 
+def test_the_unverified_rule_is_a_setting_of_the_pipeline():
+    """Issue 51 §3: --no-unverified-rule lets the prompt arms act on FEVER answers the gate made UNVERIFIED."""
+    from types import SimpleNamespace
+
+    from d2r_edge.cli import _settings, build_parser
+    from d2r_edge.pipeline import Pipeline
+    from d2r_edge.repair import IS_RETRIEVAL
+    from d2r_edge.tasks import Task
+
+    unverified = SimpleNamespace(unverified=True)
+    rule = Pipeline.allowed(SimpleNamespace(task=Task.FEVER, unverified_rule=True, arms=SimpleNamespace(mask=None)),
+                            unverified)
+    free = Pipeline.allowed(SimpleNamespace(task=Task.FEVER, unverified_rule=False, arms=SimpleNamespace(mask=None)),
+                            unverified)
+    assert rule.tolist() == IS_RETRIEVAL.tolist() and free.all()
+    base = ["run", "--kb", "k", "--queries", "q.jsonl", "--out", "o.jsonl", "--task", "fever"]
+    assert _settings(build_parser().parse_args(base)).unverified_rule is True
+    assert _settings(build_parser().parse_args(base + ["--no-unverified-rule"])).unverified_rule is False
+
+
 def test_qa_hypothesis_forms_reach_the_nli():
     from d2r_edge.hypothesis import HypothesisForm, hypothesis, statement
 

@@ -602,3 +602,52 @@ def test_a_cache_from_before_the_served_model_key_is_read_once_the_server_repeat
         got = [gen.generate(Task.QA, PromptStyle.SIMPLE, q, ["p"]).response for q in ("q1", "q2")]
         assert got == ["Lyon", "Milan"] and gen.legacy_ok is False and gen.legacy_hits == 0
         gen.close()
+
+
+def test_the_accept_methods_keep_the_answer_their_comparator_trusts(tmp_path, tiny_models, fever_file, monkeypatch):
+    """Issue 51 §1 in eval answers: the comparator is fitted on the training queries' every-arm outcomes
+    (each repair that changed whether the answer was right: a row) and saved in --out; best_fixed_accept
+    and linucb_accept record what they kept and why, and a kept first answer is the final one. The stand-in
+    NLI's repairs only break answers here (13 breaks, 0 fixes on 80 training claims): too few of either kind
+    to fit on, so the fit is replaced by one that records its rows and trusts no repair, and every repair
+    counts as changing the answer (on these claims none does), so each one is compared and reverted."""
+    import numpy as np
+
+    from d2r_edge import accept
+    from d2r_edge.accept import PAIR_NAMES, Comparator
+    from d2r_edge.detector import Detector
+    from d2r_edge.onnx.encoders import NLI
+
+    seen = {}
+
+    def fit(cls, rows, better, task):
+        seen.update(rows=rows, better=better)
+        n = len(PAIR_NAMES)
+        return cls(Detector(PAIR_NAMES, task, np.zeros(n), np.ones(n), np.zeros(n), float(np.log(0.1 / 0.9)), 0.5))
+
+    monkeypatch.setattr(Comparator, "fit", classmethod(fit))
+    out = tmp_path / "out"
+    real = NLI.score
+    exec(_HASH_NLI, {})
+    try:
+        args = _args(fever_file, tiny_models, out, "--split", "all",
+                     "--methods", "naive,best_fixed,best_fixed_accept,linucb_accept")
+        args[args.index("--train-limit") + 1] = "80"
+        monkeypatch.setattr(accept, "changed", lambda first, repaired, fv: True)
+        assert main(args) == 0
+    finally:
+        NLI.score = real
+    s = json.loads((out / "summary.json").read_text())
+    assert len(seen["rows"]) == len(seen["better"]) >= 10 and not any(seen["better"])      # 13 breaks
+    assert all(list(r) == list(PAIR_NAMES) for r in seen["rows"])
+    assert (out / "comparator.json").is_file() and (out / "detector.json").is_file()
+    plain = {r["id"]: r for r in _records(out, "best_fixed")}
+    for method in ("best_fixed_accept", "linucb_accept"):
+        recs = [r for r in _records(out, method) if r["repaired"]]
+        assert recs and all(r["kept"] == "first" and r["accept"]["p_repaired_better"] == pytest.approx(0.1)
+                            and "threshold" in r["accept"]["why"] for r in recs)
+        assert all(r["final_answer"] == r["first_answer"] and r["final_correct"] == r["first_correct"]
+                   for r in recs)
+        assert s["methods"][method]["reverted"] == len(recs) and s["methods"][method]["right_to_wrong"] == 0
+        if method == "best_fixed_accept":
+            assert {r["id"] for r in recs} == {r["id"] for r in plain.values() if r["repaired"]}

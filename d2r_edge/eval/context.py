@@ -21,8 +21,8 @@ from d2r_edge.eval.split import Split
 from d2r_edge.repair import ARMS
 from d2r_edge.tasks import Task
 
-__all__ = ["Context", "EvalQuery", "EvalSettings", "FIXED_ARMS", "Method", "POLICY_METHODS", "PolicySpec",
-           "parse_methods"]
+__all__ = ["ACCEPT_METHODS", "Context", "EvalQuery", "EvalSettings", "FIXED_ARMS", "Method", "POLICY_METHODS",
+           "PolicySpec", "parse_methods"]
 
 
 class Method(str, Enum):
@@ -39,6 +39,10 @@ class Method(str, Enum):
     LINUCB_RELAXED = "linucb_relaxed"
     LINUCB_DETECTOR = "linucb_detector"
     THOMPSON_DETECTOR = "thompson_detector"
+    # accept or revert each repair with the comparator fitted on the training queries (d2r_edge.accept)
+    BEST_FIXED_ACCEPT = "best_fixed_accept"
+    LINUCB_ACCEPT = "linucb_accept"
+    THOMPSON_ACCEPT = "thompson_accept"
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class PolicySpec:
     kind: str
     reward: RewardConfig = RewardConfig()
     budget_factor: float = 1.0             # x the run's budget (paper: stringent 0.7, relaxed 1.5)
+    accept: bool = False                   # accept or revert each repair (the comparator)
 
 
 POLICY_METHODS = {
@@ -58,10 +63,15 @@ POLICY_METHODS = {
     # the reward's quality from the calibrated detector (fitted on the training queries) instead of Alg. 1
     Method.LINUCB_DETECTOR: PolicySpec("linucb", RewardConfig(quality=RewardQuality.DETECTOR)),
     Method.THOMPSON_DETECTOR: PolicySpec("thompson", RewardConfig(quality=RewardQuality.DETECTOR)),
+    Method.LINUCB_ACCEPT: PolicySpec("linucb", accept=True),
+    Method.THOMPSON_ACCEPT: PolicySpec("thompson", accept=True),
 }
+ACCEPT_METHODS = (Method.BEST_FIXED_ACCEPT, Method.LINUCB_ACCEPT, Method.THOMPSON_ACCEPT)
 # what `--methods` means when left out: every method that needs nothing beyond the run's flags (the
-# detector-reward policies need a detector the training queries can fit)
-DEFAULT_METHODS = tuple(m for m in Method if m not in (Method.LINUCB_DETECTOR, Method.THOMPSON_DETECTOR))
+# detector-reward policies need a detector the training queries can fit, the accept methods a comparator
+# fitted on every allowed arm of the training queries)
+DEFAULT_METHODS = tuple(m for m in Method if m not in (Method.LINUCB_DETECTOR, Method.THOMPSON_DETECTOR,
+                                                        *ACCEPT_METHODS))
 FIXED_ARMS = {Method.PARAPHRASE: "prompt_paraphrase", Method.EXPANSION: "dense_k20"}
 
 
@@ -147,6 +157,15 @@ class Context:
     # what this invocation spent, per phase (outcomes, then each method): wall seconds and the new
     # generator answers / server requests (a sampled answer is 1 + N requests); a resumed run counts its own
     phases: dict[str, dict] = field(default_factory=dict)
+    _comparator: object = field(default=None, repr=False)
+
+    def comparator(self):
+        """The accept/revert comparator, fitted on the training queries once (eval.methods.fit_comparator)."""
+        if self._comparator is None:
+            from d2r_edge.eval.methods import fit_comparator
+
+            self._comparator = fit_comparator(self)
+        return self._comparator
 
     @contextmanager
     def phase(self, name: str):

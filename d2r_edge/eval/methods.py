@@ -3,7 +3,9 @@
 `naive` keeps the first answer; `paraphrase` / `expansion` / `best_fixed` apply one
 arm to every failing query (where the UNVERIFIED rule allows it); the policy methods
 are trained by Alg. 2 through the real pipeline and then frozen; `oracle` takes the
-best outcome post hoc.
+best outcome post hoc. The `*_accept` methods keep the repaired answer only where the
+comparator fitted on the training queries trusts it more than the first
+(d2r_edge.accept); their records say `kept` and why.
 """
 
 from __future__ import annotations
@@ -13,10 +15,18 @@ from dataclasses import replace
 
 import numpy as np
 
+from d2r_edge.accept import Comparator, Kept, pair_features
 from d2r_edge.config import Budget, RewardQuality
 from d2r_edge.detector import record_signals
 from d2r_edge.errors import InputError
-from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, Context, EvalQuery, Method, QueryFailed
+from d2r_edge.eval.context import (
+    FIXED_ARMS,
+    POLICY_METHODS,
+    Context,
+    EvalQuery,
+    Method,
+    QueryFailed,
+)
 from d2r_edge.generate.openai_compat import GeneratorError
 from d2r_edge.pipeline import attempt_seconds
 from d2r_edge.repair import ARM_NAMES, ARMS
@@ -53,7 +63,7 @@ def _record(ctx: Context, q: EvalQuery, method: Method, first, final, arm: int |
     }
 
 
-def _fixed(ctx: Context, q: EvalQuery, method: Method, arm: int) -> dict:
+def _fixed(ctx: Context, q: EvalQuery, method: Method, arm: int, comparator: Comparator | None = None) -> dict:
     first = ctx.first(q)
     if not ctx.repairs(first) or not ctx.allowed(first)[arm]:
         # a baseline whose arm the UNVERIFIED rule forbids, or the loaded models cannot run,
@@ -62,7 +72,43 @@ def _fixed(ctx: Context, q: EvalQuery, method: Method, arm: int) -> dict:
         return _record(ctx, q, method, first, first, None, None, ctx.pipeline.budget,
                        {"arm_unavailable": {ARM_NAMES[arm]: why}} if why else None)
     final, cost = ctx.arm_outcome(q, arm)
-    return _record(ctx, q, method, first, final, arm, cost, ctx.pipeline.budget)
+    if comparator is None:
+        return _record(ctx, q, method, first, final, arm, cost, ctx.pipeline.budget)
+    decision = replace(ctx.pipeline, comparator=comparator).accept_or_revert(first, final, arm, None)
+    kept = final if decision.kept is Kept.REPAIRED else first
+    return _record(ctx, q, method, first, kept, arm, cost, ctx.pipeline.budget,
+                   {"kept": decision.kept.value, "accept": decision.to_record()})
+
+
+COMPARATOR_FILE = "comparator.json"
+
+
+def fit_comparator(ctx: Context) -> Comparator:
+    """The accept/revert comparator from the training queries: every allowed arm of each gated one, each
+    repair that changed whether the answer was right a row (d2r_edge.accept); saved in --out."""
+    p = ctx.pipeline
+    if p.detector is None:
+        raise InputError("the accept methods compare the detector's P(wrong) of both answers, and the training "
+                         "queries could not fit a detector (see the warning above): give more --train queries")
+    fv = ctx.settings.task.fact_verification
+    rows, better = [], []
+    for q in ctx.train:
+        first = ctx.first(q)
+        if not ctx.repairs(first, training_query=q.text):
+            continue
+        right_first = ctx.score(q, ctx.answer(first))[0] >= 1.0
+        p_first = p.detector.assess(first, fv, q.text)[0]          # out of fold, as a test query's
+        for arm in np.flatnonzero(ctx.allowed(first)):
+            second, _ = ctx.arm_outcome(q, int(arm))
+            right_second = ctx.score(q, ctx.answer(second))[0] >= 1.0
+            if right_second != right_first:
+                rows.append(pair_features(first, second, int(arm), p_first, p.detector.assess(second, fv)[0], fv))
+                better.append(right_second)
+    comp = Comparator.fit(rows, better, ctx.settings.task.value)
+    comp.save(ctx.settings.out / COMPARATOR_FILE)
+    log.info("accept/revert comparator: %d training pairs (%d fixes, %d breaks), threshold %.3f", len(rows),
+             sum(better), len(better) - sum(better), comp.threshold)
+    return comp
 
 
 def _oracle(ctx: Context, q: EvalQuery) -> dict:
@@ -125,7 +171,8 @@ def policy_pipeline(ctx: Context, method: Method):
     budget = base.budget.scaled(spec.budget_factor) if spec.budget_factor != 1.0 else base.budget
     run = replace(ctx.settings.run, policy_kind=spec.kind, policy_path=None)
     policy, costs = load_policy(run, base.context)
-    return replace(base, policy=policy, costs=costs, budget=budget, reward_cfg=spec.reward, explorer=None)
+    return replace(base, policy=policy, costs=costs, budget=budget, reward_cfg=spec.reward, explorer=None,
+                   comparator=ctx.comparator() if spec.accept else None)
 
 
 def train_policy(ctx: Context, method: Method):
@@ -149,8 +196,11 @@ def _policy_record(ctx: Context, p, q: EvalQuery, method: Method) -> dict:
         return _record(ctx, q, method, first, first, None, None, p.budget)
     arm = int(rec["repair"]["arm_index"])
     final, cost = ctx.arm_outcome(q, arm)
-    return _record(ctx, q, method, first, final, arm, cost, p.budget,
-                   {"cost_masked": rec["repair"]["cost_masked"], "mask_fallback": rec["repair"]["mask_fallback"]})
+    extra = {"cost_masked": rec["repair"]["cost_masked"], "mask_fallback": rec["repair"]["mask_fallback"]}
+    if rec["repair"].get("accept") is not None:           # the comparator kept one of the two
+        extra.update(kept=rec["repair"]["kept"], accept=rec["repair"]["accept"])
+        final = final if rec["repair"]["kept"] == Kept.REPAIRED.value else first
+    return _record(ctx, q, method, first, final, arm, cost, p.budget, extra)
 
 
 _NUMBER = (int, float)
@@ -188,9 +238,10 @@ def run_method(ctx: Context, method: Method) -> list[dict]:
             if method is Method.NAIVE:
                 make = lambda q: _record(ctx, q, method, ctx.first(q), ctx.first(q), None, None,  # noqa: E731
                                          ctx.pipeline.budget)
-            elif method in FIXED_ARMS or method is Method.BEST_FIXED:
+            elif method in FIXED_ARMS or method in (Method.BEST_FIXED, Method.BEST_FIXED_ACCEPT):
                 arm = (ARM_NAMES.index(FIXED_ARMS[method]) if method in FIXED_ARMS else best_fixed_arm(ctx))
-                make = lambda q: _fixed(ctx, q, method, arm)  # noqa: E731
+                comparator = ctx.comparator() if method is Method.BEST_FIXED_ACCEPT else None
+                make = lambda q: _fixed(ctx, q, method, arm, comparator)  # noqa: E731
             elif method is Method.ORACLE:
                 make = lambda q: _oracle(ctx, q)  # noqa: E731
             else:

@@ -60,6 +60,8 @@ def method_metrics(ctx: Context, recs: list[dict], naive: list[dict]) -> dict:
     m["budget_violations_pct"] = (100 * sum(bool(r["over_budget"]) for r in rep) / len(rep)) if rep else 0.0
     m["wrong_to_right"], m["right_to_wrong"] = flips([r["first_correct"] for r in recs], final)
     m["arms"] = dict(Counter(r["arm"] for r in rep).most_common())
+    if any("kept" in r for r in rep):      # accept/revert: repairs whose first answer stood
+        m["reverted"] = sum(r.get("kept") == "first" for r in rep)
     off = {k: v for r in recs for k, v in (r.get("arm_unavailable") or {}).items()}
     if off:
         m["arm_unavailable"] = off     # a fixed-arm baseline whose arm the models cannot run

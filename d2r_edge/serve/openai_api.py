@@ -130,6 +130,9 @@ def d2r_object(res: Result, budget, deadline_s: float | None) -> dict:
         "request_id": res.id, "task": res.task.value,
         "failure_type": res.failure.value, "final_failure_type": res.final_failure.value,
         "repaired": res.repaired, "arm": res.arm, "first_answer": res.first_answer,
+        # accept/revert (--accept): which answer stands after the repair, and the comparator's scores
+        "repair_kept": (res.record.get("repair") or {}).get("kept"),
+        "accept": (res.record.get("repair") or {}).get("accept"),
         "passages": _passages(res.passages),
         "entailment": {"question": d.e_q.value, "answer": d.e_r.value, "kg": d.kg.value,
                        "label": d.label.value if d.label else None,
