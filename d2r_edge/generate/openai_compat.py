@@ -38,7 +38,7 @@ MAX_BODY_BYTES = 16 << 20        # a completion larger than this is a broken ser
 MIN_ATTEMPT_S = 0.05             # a retry that would get less than this before the deadline does not start
 CONNECT_TIMEOUT_S = 10.0
 # llama.cpp's /v1/models `meta`: what names a model file wherever it is served from
-MODEL_META_KEYS = ("n_params", "size", "n_vocab", "n_ctx_train", "n_embd", "vocab_type")
+MODEL_META_KEYS = ("n_params", "size", "n_vocab", "n_ctx_train", "n_embd", "vocab_type", "ftype")
 
 
 class GeneratorError(D2RError):
