@@ -57,6 +57,20 @@ def evaluated(tmp_path_factory, tiny_models, fever_file):
     return out, json.loads((out / "summary.json").read_text())
 
 
+def _evaluate_hashed(fever_file, models, out, train_limit: int, *extra) -> None:
+    """eval answers with the stand-in NLI and `train_limit` training claims (must exit 0)."""
+    from d2r_edge.onnx.encoders import NLI
+
+    real = NLI.score
+    exec(_HASH_NLI, {})
+    try:
+        args = _args(fever_file, models, out, *extra)
+        args[args.index("--train-limit") + 1] = str(train_limit)
+        assert main(args) == 0
+    finally:
+        NLI.score = real
+
+
 def _records(out: Path, method: str) -> list[dict]:
     return [json.loads(line) for line in (out / "methods" / f"{method}.jsonl").read_text().splitlines()]
 
@@ -487,18 +501,9 @@ def test_eval_on_ray_gives_the_local_records(tiny_models, fever_file, tmp_path):
 def test_the_calibrated_gate_repairs_by_p_wrong(tmp_path, tiny_models, fever_file, capsys):
     """--gate calibrated: the detector is fitted on the training queries before any arm runs, and a
     test query gets a repair exactly when its P(wrong) reaches the detector's threshold."""
-    from d2r_edge.onnx.encoders import NLI
-
     out = tmp_path / "out"
-    real = NLI.score
-    exec(_HASH_NLI, {})
-    try:
-        args = _args(fever_file, tiny_models, out, "--gate", "calibrated",
+    _evaluate_hashed(fever_file, tiny_models, out, 40, "--gate", "calibrated",
                      "--methods", "naive,best_fixed,oracle,linucb")
-        args[args.index("--train-limit") + 1] = "40"
-        assert main(args) == 0
-    finally:
-        NLI.score = real
     s = json.loads((out / "summary.json").read_text())
     det = json.loads((out / "detector.json").read_text())
     tau = det["threshold"]
@@ -616,7 +621,6 @@ def test_the_accept_methods_keep_the_answer_their_comparator_trusts(tmp_path, ti
     from d2r_edge import accept
     from d2r_edge.accept import PAIR_NAMES, Comparator
     from d2r_edge.detector import Detector
-    from d2r_edge.onnx.encoders import NLI
 
     seen = {}
 
@@ -626,17 +630,10 @@ def test_the_accept_methods_keep_the_answer_their_comparator_trusts(tmp_path, ti
         return cls(Detector(PAIR_NAMES, task, np.zeros(n), np.ones(n), np.zeros(n), float(np.log(0.1 / 0.9)), 0.5))
 
     monkeypatch.setattr(Comparator, "fit", classmethod(fit))
+    monkeypatch.setattr(accept, "changed", lambda first, repaired, fv: True)
     out = tmp_path / "out"
-    real = NLI.score
-    exec(_HASH_NLI, {})
-    try:
-        args = _args(fever_file, tiny_models, out, "--split", "all",
+    _evaluate_hashed(fever_file, tiny_models, out, 80, "--split", "all",
                      "--methods", "naive,best_fixed,best_fixed_accept,linucb_accept")
-        args[args.index("--train-limit") + 1] = "80"
-        monkeypatch.setattr(accept, "changed", lambda first, repaired, fv: True)
-        assert main(args) == 0
-    finally:
-        NLI.score = real
     s = json.loads((out / "summary.json").read_text())
     assert len(seen["rows"]) == len(seen["better"]) >= 10 and not any(seen["better"])      # 13 breaks
     assert all(list(r) == list(PAIR_NAMES) for r in seen["rows"])

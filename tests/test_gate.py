@@ -459,19 +459,26 @@ def test_the_ablation_finds_the_signal_that_carries_detection(tmp_path):
     assert "Label `f1_below_half`" in text and "| only log_probs |" in text
 
 
-def test_the_detector_chooses_its_signal_groups_on_training_folds(tmp_path):
-    """Only the log-probabilities carry the label; 25 noise features beside them: backward elimination
-    keeps log_probs, drops noise groups (their weights exactly 0), and the file round-trips."""
+def _log_probs_world(seed: int, n: int):
+    """QA features where only the log-probabilities carry the label (40% wrong), the rest noise."""
     from d2r_edge.detector import feature_groups
-    from d2r_edge.eval.detection import auroc
 
     names, groups = feature_names(False), feature_groups(False)
-    rng = np.random.default_rng(7)
-    n = 160
+    rng = np.random.default_rng(seed)
     y = rng.random(n) < 0.4
     x = rng.normal(size=(n, len(names)))
     for name in groups["log_probs"]:
         x[:, names.index(name)] = np.where(y, -2.0, -0.5) + rng.normal(0, 0.9, size=n)
+    return names, groups, rng, y, x
+
+
+def test_the_detector_chooses_its_signal_groups_on_training_folds(tmp_path):
+    """Only the log-probabilities carry the label; 25 noise features beside them: backward elimination
+    keeps log_probs, drops noise groups (their weights exactly 0), and the file round-trips."""
+    from d2r_edge.eval.detection import auroc
+
+    names, groups, rng, y, x = _log_probs_world(7, 160)
+    n = len(y)
     x[rng.random(n) < 0.2, names.index("sc_agreement")] = np.nan          # a missing signal is still fine
     det = Detector.fit(x, y, names, "qa", groups=groups)
     kept, dropped = det.fit_stats["groups_kept"], det.fit_stats["groups_dropped"]
@@ -494,15 +501,7 @@ def test_the_detector_chooses_its_signal_groups_on_training_folds(tmp_path):
 def test_a_signal_group_missing_on_every_training_query_is_never_kept():
     """Found from outside (issue 53): with no self-consistency samples drawn, the detector reported the
     self_consistency group as kept (a constant column the elimination never dropped)."""
-    from d2r_edge.detector import feature_groups
-
-    names, groups = feature_names(False), feature_groups(False)
-    rng = np.random.default_rng(3)
-    n = 120
-    y = rng.random(n) < 0.4
-    x = rng.normal(size=(n, len(names)))
-    for name in groups["log_probs"]:
-        x[:, names.index(name)] = np.where(y, -2.0, -0.5) + rng.normal(0, 0.9, size=n)
+    names, groups, _, y, x = _log_probs_world(3, 120)
     for name in groups["self_consistency"]:
         x[:, names.index(name)] = np.nan                                   # no samples drawn at all
     det = Detector.fit(x, y, names, "qa", groups=groups)
