@@ -301,15 +301,14 @@ class Pipeline:
                 rec["repair_error"] = f"{type(exc).__name__}: {exc}"
             # wall time; a replayed generation (eval's cache) counts the time the real call took,
             # as the attempt's generate_s does, so the stages still sum to the total
-            rec["repair_s"] = time.perf_counter() - t_repair + (final.generation.replayed_s if final is not first
-                                                                 else 0.0)
+            rec["repair_s"] = time.perf_counter() - t_repair + (rec["repair"] or {}).get("replayed_s", 0.0)
         rec["final"] = final.summary()
         rec["final_answer"] = self.answer(final)
         rec["first_answer"] = self.answer(first)
         kb = getattr(self.retriever, "kb", None)
         if kb is not None:   # which KB answered: its version on disk, and what a refresh added in memory
             rec["kb_version"], rec["kb_docs_added_in_memory"] = kb.version, kb.session_docs
-        replayed_s = first.generation.replayed_s + (final.generation.replayed_s if final is not first else 0.0)
+        replayed_s = first.generation.replayed_s + (rec["repair"] or {}).get("replayed_s", 0.0)
         rec["total_s"] = time.perf_counter() - t_start + replayed_s
         return rec, first, final
 
@@ -377,6 +376,7 @@ class Pipeline:
             "x": x.tolist() if learn else None, "policy_s": policy_s,
             "is_retrieval_arm": bool(IS_RETRIEVAL[arm]), "unavailable": dict(self.arms.unavailable),
             "policy_updates": updates_after, "generate_s": second.timings_s.get("generate_s", 0.0),
+            "replayed_s": second.generation.replayed_s,     # of generate_s, a cached answer's original time
             "kept": Kept.REPAIRED.value if decision is None else decision.kept.value,
             "accept": None if decision is None else decision.to_record(),
         }, (first if decision is not None and decision.kept is Kept.FIRST else second)

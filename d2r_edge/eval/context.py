@@ -157,15 +157,7 @@ class Context:
     # what this invocation spent, per phase (outcomes, then each method): wall seconds and the new
     # generator answers / server requests (a sampled answer is 1 + N requests); a resumed run counts its own
     phases: dict[str, dict] = field(default_factory=dict)
-    _comparator: object = field(default=None, repr=False)
-
-    def comparator(self):
-        """The accept/revert comparator, fitted on the training queries once (eval.methods.fit_comparator)."""
-        if self._comparator is None:
-            from d2r_edge.eval.methods import fit_comparator
-
-            self._comparator = fit_comparator(self)
-        return self._comparator
+    comparator: object = field(default=None, repr=False)    # the accept methods' (eval.methods.comparator)
 
     @contextmanager
     def phase(self, name: str):

@@ -83,6 +83,13 @@ def _fixed(ctx: Context, q: EvalQuery, method: Method, arm: int, comparator: Com
 COMPARATOR_FILE = "comparator.json"
 
 
+def comparator(ctx: Context) -> Comparator:
+    """The accept/revert comparator, fitted once per evaluation and kept on the context."""
+    if ctx.comparator is None:
+        ctx.comparator = fit_comparator(ctx)
+    return ctx.comparator
+
+
 def fit_comparator(ctx: Context) -> Comparator:
     """The accept/revert comparator from the training queries: every allowed arm of each gated one, each
     repair that changed whether the answer was right a row (d2r_edge.accept); saved in --out."""
@@ -172,7 +179,7 @@ def policy_pipeline(ctx: Context, method: Method):
     run = replace(ctx.settings.run, policy_kind=spec.kind, policy_path=None)
     policy, costs = load_policy(run, base.context)
     return replace(base, policy=policy, costs=costs, budget=budget, reward_cfg=spec.reward, explorer=None,
-                   comparator=ctx.comparator() if spec.accept else None)
+                   comparator=comparator(ctx) if spec.accept else None)
 
 
 def train_policy(ctx: Context, method: Method):
@@ -240,8 +247,8 @@ def run_method(ctx: Context, method: Method) -> list[dict]:
                                          ctx.pipeline.budget)
             elif method in FIXED_ARMS or method in (Method.BEST_FIXED, Method.BEST_FIXED_ACCEPT):
                 arm = (ARM_NAMES.index(FIXED_ARMS[method]) if method in FIXED_ARMS else best_fixed_arm(ctx))
-                comparator = ctx.comparator() if method is Method.BEST_FIXED_ACCEPT else None
-                make = lambda q: _fixed(ctx, q, method, arm, comparator)  # noqa: E731
+                comp = comparator(ctx) if method is Method.BEST_FIXED_ACCEPT else None
+                make = lambda q: _fixed(ctx, q, method, arm, comp)  # noqa: E731
             elif method is Method.ORACLE:
                 make = lambda q: _oracle(ctx, q)  # noqa: E731
             else:

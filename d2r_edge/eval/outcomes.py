@@ -262,7 +262,8 @@ class CachedGenerator:
         self.prompt_sensitive = getattr(inner, "prompt_sensitive", True)
         served = getattr(inner, "served_model", None)
         self.served = served() if callable(served) else {"id": getattr(inner, "model", None)}
-        sampling = {"temperature": getattr(inner, "temperature", None), "max_tokens": getattr(inner, "max_tokens", None)}
+        sampling = {"temperature": getattr(inner, "temperature", None),
+                    "max_tokens": getattr(inner, "max_tokens", None)}
         samples = ({"samples": inner.samples, "sample_temperature": inner.sample_temperature}
                    if getattr(inner, "samples", 0) else {})
         base = {"name": self.name, "served": self.served, **sampling}

@@ -279,11 +279,12 @@ class OpenAICompatible:
         entry = named[0] if named else entries[0] if len(entries) == 1 else None
         if entry is None:
             return {"id": self.model}
-        model_id = str(entry.get("id") or self.model)
+        model_id = str(entry.get("id") or self.model)[:300]     # the server's words: bounded
         if model_id.startswith(("/", "./")) or model_id.endswith((".gguf", ".bin")):
             model_id = model_id.replace("\\", "/").rsplit("/", 1)[-1]
         meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
-        shape = {k: meta[k] for k in MODEL_META_KEYS if isinstance(meta.get(k), (int, float, str))}
+        shape = {k: meta[k] if not isinstance(meta[k], str) else meta[k][:100] for k in MODEL_META_KEYS
+                 if isinstance(meta.get(k), (int, float, str))}
         return {"id": model_id, **({"meta": shape} if shape else {})}
 
     def complete(self, messages: list[dict], max_tokens: int | None = None, stop: list[str] | None = None,
