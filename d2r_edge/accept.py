@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from d2r_edge.answers import fever_label, normalize_answer
+from d2r_edge.consistency import answer_key
 from d2r_edge.detector import Detector, features, first_answer
 from d2r_edge.diagnose import Label
 from d2r_edge.errors import ConfigError
@@ -63,10 +63,6 @@ class Decision:
                         f"P(repaired better) {'>=' if self.kept is Kept.REPAIRED else '<'} the threshold")}
 
 
-def _key(answer: str, fact_verification: bool) -> str:
-    return fever_label(answer) if fact_verification else normalize_answer(answer)
-
-
 def delivered(attempt, fact_verification: bool) -> str:
     """The answer the user gets from an attempt: FEVER's evidence-gated label (UNVERIFIED counts as
     NOT ENOUGH INFO), the response for QA."""
@@ -82,8 +78,8 @@ def pair_features(first, repaired, arm: int, p_wrong_first: float, p_wrong_repai
     lp1, lp2 = f1["gen_logprob_sum"], f2["gen_logprob_sum"]
     present = not (math.isnan(lp1) or math.isnan(lp2))
     samples = getattr(first.generation, "samples", None) or ()
-    key2 = _key(first_answer(fact_verification, repaired), fact_verification)     # the generator's, as samples are
-    agree = sum(_key(s, fact_verification) == key2 for s in samples) / len(samples) if samples else 0.0
+    key2 = answer_key(first_answer(fact_verification, repaired), fact_verification)     # the generator's, as samples are
+    agree = sum(answer_key(s, fact_verification) == key2 for s in samples) / len(samples) if samples else 0.0
     return {"pw_first": p_wrong_first, "pw_repaired": p_wrong_repaired, "pw_delta": p_wrong_repaired - p_wrong_first,
             "r_ent_first": f1["r_ent_max"], "r_ent_repaired": f2["r_ent_max"],
             "r_ent_delta": f2["r_ent_max"] - f1["r_ent_max"],
@@ -94,8 +90,8 @@ def pair_features(first, repaired, arm: int, p_wrong_first: float, p_wrong_repai
 
 def changed(first, repaired, fact_verification: bool) -> bool:
     """Does the user get another answer from the repaired attempt?"""
-    return _key(delivered(first, fact_verification), fact_verification) != \
-        _key(delivered(repaired, fact_verification), fact_verification)
+    return answer_key(delivered(first, fact_verification), fact_verification) != \
+        answer_key(delivered(repaired, fact_verification), fact_verification)
 
 
 @dataclass(frozen=True)

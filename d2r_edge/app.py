@@ -10,13 +10,7 @@ import numpy as np
 
 from d2r_edge.accept import Comparator
 from d2r_edge.budget import CostModel, MemoryProbe, Meter
-from d2r_edge.config import (
-    Budget,
-    ContextConfig,
-    ExplorationConfig,
-    RewardConfig,
-    RewardQuality,
-)
+from d2r_edge.config import Budget, ContextConfig, ExplorationConfig, RewardConfig, RewardQuality
 from d2r_edge.detector import Detector, Gate
 from d2r_edge.diagnose import Diagnoser, ResponseNLI
 from d2r_edge.errors import ConfigError, PolicyFileError
@@ -254,12 +248,7 @@ def fit_detector_on_queries(pipeline: Pipeline, queries, path: Path) -> Detector
     """The calibrated detector fitted on the first attempts of the labeled `queries` (FEVER labels, QA
     gold answers; unlabeled ones are skipped) and saved to `path`. The first attempts are computed
     here and again when the policy trains (they are not kept: a refresh arm changes the KB)."""
-    from d2r_edge.detector import (
-        feature_groups,
-        feature_matrix,
-        feature_names,
-        first_answer,
-    )
+    from d2r_edge.detector import feature_groups, feature_matrix, feature_names, first_answer
     from d2r_edge.runner import correct
 
     fv = pipeline.task.fact_verification

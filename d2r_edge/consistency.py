@@ -47,14 +47,15 @@ class PairScorer(Protocol):
         ...
 
 
-def _string_key(answer: str, fact_verification: bool) -> str:
+def answer_key(answer: str, fact_verification: bool) -> str:
+    """Answers equal under this key are the same answer (FEVER: the label; QA: SQuAD normalization)."""
     return fever_label(answer) if fact_verification else normalize_answer(answer)
 
 
 def clusters(query: str, answers: list[str], fact_verification: bool, nli: PairScorer | None = None) -> list[int]:
     """A cluster id per answer: equal normalized strings share one; for QA with an NLI, string-clusters
     whose representatives entail each other (both ways, in the question's context) merge."""
-    keys = [_string_key(a, fact_verification) for a in answers]
+    keys = [answer_key(a, fact_verification) for a in answers]
     reps = list(dict.fromkeys(keys))          # one representative per string-cluster, in order
     parent = list(range(len(reps)))
     if nli is not None and not fact_verification and len(reps) > 1:

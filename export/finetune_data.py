@@ -213,6 +213,11 @@ SPLIT_RULE = ("FEVER: fever/dev.jsonl is the evaluation side whole (no claim of 
               "lose any pair with such a text too. QA: sha256(normalized question) % 100 < 20 -> validation")
 
 
+def evidence_sentences(fever: list[dict]) -> set[str]:
+    """Every gold evidence sentence of FEVER rows (as written)."""
+    return {s for row in fever for _, _, s in row.get("derived_evidence_sentences") or []}
+
+
 def evaluation_texts(fever: list[dict], qa: list[QARow]) -> set[str]:
     """dedupe_key() of every FEVER dev claim and evidence sentence, and of the held-out questions.
 
@@ -220,10 +225,7 @@ def evaluation_texts(fever: list[dict], qa: list[QARow]) -> set[str]:
     claim's text alone left its premise in training (issue 50): every sentence of
     the evaluation side is kept out of every pair the fine-tuning reads.
     """
-    out = set()
-    for row in fever:
-        out.add(dedupe_key(row["question"]))
-        out.update(dedupe_key(s) for _, _, s in row.get("derived_evidence_sentences") or [])
+    out = {dedupe_key(row["question"]) for row in fever} | {dedupe_key(s) for s in evidence_sentences(fever)}
     out.update(dedupe_key(q.question) for q in qa if is_validation(q.question))
     return out
 
@@ -315,8 +317,7 @@ def build_pairs(data: Path, max_train_pairs: int | None = None, seed: int = 0,
     # Wikipedia repeats itself: QA paragraphs and general NLI premises hold FEVER dev evidence
     # sentences verbatim (32 texts of 230k under the full settings); a pair or reranker query that
     # contains one is dropped whole
-    finder = SentenceFinder({s for row in fever for _, _, s in row.get("derived_evidence_sentences") or []})
-    dropped = _drop_containing(sets, finder)
+    dropped = _drop_containing(sets, SentenceFinder(evidence_sentences(fever)))
     sets.split = {"rule": SPLIT_RULE, "validation_percent": 20,
                   "excluded_files": {FEVER_DEV: sets.files_sha256[FEVER_DEV],
                                      **{f: sets.files_sha256[f] for f in exclude_files}},
@@ -374,7 +375,7 @@ def training_texts(sets: PairSets) -> list[str]:
 def fever_evaluation_leaks(data: Path, sets: PairSets) -> dict[str, int]:
     """How many training texts contain a FEVER dev evidence sentence or are a dev claim: 0 under SPLIT_RULE."""
     fever = _rows(data / FEVER_DEV)
-    finder = SentenceFinder({s for row in fever for _, _, s in row.get("derived_evidence_sentences") or []})
+    finder = SentenceFinder(evidence_sentences(fever))
     claims = {dedupe_key(row["question"]) for row in fever}
     texts = training_texts(sets)
     return {"texts": len(texts),

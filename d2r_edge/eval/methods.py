@@ -19,14 +19,7 @@ from d2r_edge.accept import Comparator, Kept, pair_features
 from d2r_edge.config import Budget, RewardQuality
 from d2r_edge.detector import record_signals
 from d2r_edge.errors import InputError
-from d2r_edge.eval.context import (
-    FIXED_ARMS,
-    POLICY_METHODS,
-    Context,
-    EvalQuery,
-    Method,
-    QueryFailed,
-)
+from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, Context, EvalQuery, Method, QueryFailed
 from d2r_edge.generate.openai_compat import GeneratorError
 from d2r_edge.pipeline import attempt_seconds
 from d2r_edge.repair import ARM_NAMES, ARMS
@@ -63,7 +56,8 @@ def _record(ctx: Context, q: EvalQuery, method: Method, first, final, arm: int |
     }
 
 
-def _fixed(ctx: Context, q: EvalQuery, method: Method, arm: int, comparator: Comparator | None = None) -> dict:
+def _fixed(ctx: Context, q: EvalQuery, method: Method, arm: int, accepting=None) -> dict:
+    """`accepting`: the pipeline with the comparator (the *_accept methods), which keeps or reverts the repair."""
     first = ctx.first(q)
     if not ctx.repairs(first) or not ctx.allowed(first)[arm]:
         # a baseline whose arm the UNVERIFIED rule forbids, or the loaded models cannot run,
@@ -72,9 +66,9 @@ def _fixed(ctx: Context, q: EvalQuery, method: Method, arm: int, comparator: Com
         return _record(ctx, q, method, first, first, None, None, ctx.pipeline.budget,
                        {"arm_unavailable": {ARM_NAMES[arm]: why}} if why else None)
     final, cost = ctx.arm_outcome(q, arm)
-    if comparator is None:
+    if accepting is None:
         return _record(ctx, q, method, first, final, arm, cost, ctx.pipeline.budget)
-    decision = replace(ctx.pipeline, comparator=comparator).accept_or_revert(first, final, arm, None)
+    decision = accepting.accept_or_revert(first, final, arm, None)
     kept = final if decision.kept is Kept.REPAIRED else first
     return _record(ctx, q, method, first, kept, arm, cost, ctx.pipeline.budget,
                    {"kept": decision.kept.value, "accept": decision.to_record()})
@@ -247,8 +241,9 @@ def run_method(ctx: Context, method: Method) -> list[dict]:
                                          ctx.pipeline.budget)
             elif method in FIXED_ARMS or method in (Method.BEST_FIXED, Method.BEST_FIXED_ACCEPT):
                 arm = (ARM_NAMES.index(FIXED_ARMS[method]) if method in FIXED_ARMS else best_fixed_arm(ctx))
-                comp = comparator(ctx) if method is Method.BEST_FIXED_ACCEPT else None
-                make = lambda q: _fixed(ctx, q, method, arm, comp)  # noqa: E731
+                accepting = (replace(ctx.pipeline, comparator=comparator(ctx))
+                             if method is Method.BEST_FIXED_ACCEPT else None)
+                make = lambda q: _fixed(ctx, q, method, arm, accepting)  # noqa: E731
             elif method is Method.ORACLE:
                 make = lambda q: _oracle(ctx, q)  # noqa: E731
             else:
