@@ -30,7 +30,6 @@ from d2r_edge_export.nli_general import CON, ENT, NEU, GeneralPairs, dedupe_key,
 
 from d2r_edge.eval.datasets import fever_title
 from d2r_edge.eval.split import is_validation, normalize_text
-from d2r_edge.retrieval.bm25 import BM25Index
 
 FILES = ("fever/dev.jsonl", "hotpotqa/dev.jsonl", "musique/dev.jsonl", "2wikimultihopqa/dev.jsonl",
          "hotpotqa_ircot_subsample/dev.jsonl", "hotpotqa_fullwiki/dev.jsonl")
