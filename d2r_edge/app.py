@@ -35,6 +35,7 @@ from d2r_edge.repair import (
 from d2r_edge.retrieval.docs import read_documents
 from d2r_edge.retrieval.kb import KnowledgeBase, PoolRefresh
 from d2r_edge.retrieval.retriever import Retriever
+from d2r_edge.selective import Certificate
 from d2r_edge.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class RunSettings:
     detector_path: Path | None = None      # the calibrated detector (JSON); loaded when given
     accept_path: Path | None = None        # the accept/revert comparator (JSON, d2r_edge.accept); needs the detector
     unverified_rule: bool = True           # FEVER: UNVERIFIED first answers get retrieval arms only (the paper's)
+    trust_path: Path | None = None         # the trust certificate (d2r-edge calibrate); needs the detector
+    abstain_text: str | None = None        # set: untrusted answers are withheld (FEVER: NOT ENOUGH INFO; QA: this)
     nli_cache_pairs: int = 4096            # NLI scores of recent pairs kept (onnx/sharing.py); 0 = none
     parallel_requests: int = 1             # Runtime: queries answered at once (1 = one at a time)
     micro_batch_pairs: int = 0             # > 0: concurrent queries' NLI pairs merged up to this many
@@ -215,7 +218,9 @@ def build_pipeline(s: RunSettings) -> Pipeline:
                     gate=s.gate, detector=(Detector.load(s.detector_path, s.task.fact_verification)
                                            if s.detector_path is not None else None),
                     comparator=Comparator.load(s.accept_path) if s.accept_path is not None else None,
-                    unverified_rule=s.unverified_rule)
+                    unverified_rule=s.unverified_rule,
+                    trust=(Certificate.load(s.trust_path, s.detector_path) if s.trust_path is not None else None),
+                    abstain_text=s.abstain_text)
 
 
 def without_refresh(arms: ArmAvailability) -> ArmAvailability:

@@ -266,6 +266,7 @@ def _settings(args: argparse.Namespace):
         qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages, gate=Gate(args.gate),
         detector_path=_detector(args), accept_path=_existing(getattr(args, "accept", None), "--accept"),
         unverified_rule=not args.no_unverified_rule,
+        trust_path=_trust(args), abstain_text=_abstain(args),
         nli_cache_pairs=args.nli_cache_pairs,
         parallel_requests=getattr(args, "parallel", 1), micro_batch_pairs=getattr(args, "micro_batch_pairs", 0),
         micro_batch_wait_ms=getattr(args, "micro_batch_wait_ms", 2.0), response_nli=args.response_nli)
@@ -278,6 +279,25 @@ def _existing(path: str | None, flag: str) -> Path | None:
         raise InputError(f"no file at {path} ({flag}); `d2r-edge eval answers` with an *_accept method writes "
                          f"one (comparator.json in its --out)")
     return Path(path)
+
+
+def _trust(args: argparse.Namespace) -> Path | None:
+    path = getattr(args, "trust", None)
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        raise InputError(f"no trust certificate at {path} (--trust); `d2r-edge calibrate --records R.jsonl "
+                         f"--detector D.json --target-error E --out {path}` writes one")
+    return Path(path)
+
+
+def _abstain(args: argparse.Namespace) -> str | None:
+    if not getattr(args, "abstain", False):
+        return None
+    if getattr(args, "trust", None) is None:
+        raise InputError("--abstain withholds the answers a trust certificate does not trust: give --trust FILE "
+                         "(from d2r-edge calibrate)")
+    return args.abstain_text
 
 
 def _detector(args: argparse.Namespace) -> Path | None:
@@ -344,6 +364,38 @@ def _check_detector(settings) -> None:
     if settings.reward.quality.value == "detector" and settings.detector_path is None:
         raise InputError("--reward-quality detector needs a fitted detector: give --detector FILE, or --policy "
                          "P.npz trained with `d2r-edge train --reward-quality detector` (it writes P.detector.json)")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from d2r_edge.detector import Detector, query_hash
+    from d2r_edge.runner import read_records, run_record_ok
+    from d2r_edge.selective import Certificate, certify, file_sha256, labeled_scores
+
+    det_path = Path(args.detector)
+    if not det_path.is_file():
+        raise InputError(f"no detector file at {det_path} (--detector)")
+    from d2r_edge.tasks import Task
+
+    det = Detector.load(det_path, Task(args.task).fact_verification)
+    records = []
+    for path in args.records:
+        if not Path(path).is_file():
+            raise InputError(f"no records file at {path} (--records)")
+        records += read_records(Path(path), run_record_ok)
+    scores, wrong, counts = labeled_scores(
+        records, det.p_wrong_of_signals, frozenset(det.fit_stats.get("training_queries_sha256_16") or ()),
+        query_hash)
+    log.info("calibration records: %s", counts)
+    cert = certify(scores, wrong, args.target_error, args.delta, "calibrated", detector_sha256=file_sha256(det_path))
+    out = Path(args.out)
+    cert.save(out)
+    print(f"trust certificate saved to {out}: trusted when P(wrong) <= {cert.threshold:.2f}; error among trusted "
+          f"answers <= {cert.epsilon:g} with probability >= {1 - cert.delta:g} (calibration: {cert.n_calibration} "
+          f"labeled answers, {cert.n_trusted} trusted of them, {cert.errors_trusted} wrong; coverage "
+          f"{cert.coverage_calibration:.1%}); left out: {counts['detector_training_queries']} queries the detector "
+          f"was fitted on, {counts['no_gold']} without gold, {counts['no_signals']} without detector signals, "
+          f"{counts['errors']} failed")
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -429,6 +481,15 @@ def _pipeline_args(p: argparse.ArgumentParser, generator_key_flag: str = "--api-
                    help="accept or revert each repair with this comparator (comparator.json from eval answers "
                         "with an *_accept method; needs --detector): the first answer stands when the check "
                         "trusts it more; records say repair.kept and why")
+    p.add_argument("--trust", default=None, metavar="FILE",
+                   help="a trust certificate (d2r-edge calibrate; needs --detector, the one it was calibrated "
+                        "on): every record says trusted true/false, with P(wrong) and the certified error rate; "
+                        "an untrusted first answer is offered a repair and judged again after it")
+    p.add_argument("--abstain", action="store_true",
+                   help="with --trust: an answer still untrusted after its repair is withheld (FEVER: NOT ENOUGH "
+                        "INFO; QA: --abstain-text), recorded as abstained with the answer withheld")
+    p.add_argument("--abstain-text", default="I cannot answer this reliably from the documents.",
+                   help="QA's abstention (--abstain)")
     p.add_argument("--response-nli", default="until_entailed", choices=["until_entailed", "all"],
                    help="e_r's (passage, response) pairs: until_entailed = most word-sharing passage first, stop "
                         "at the first entailment (the same verdicts, fewer NLI calls; default), all = every pair "
@@ -670,6 +731,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-wait-ms", type=float, default=2.0,
                    help="how long a merged NLI call waits for more pairs after the first")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("calibrate", help="certify a P(wrong) threshold: answers under it are wrong at most "
+                                         "--target-error of the time, with probability 1 - --delta")
+    p.add_argument("--records", required=True, nargs="+",
+                   help="records JSONL of run/train with gold labels and detector signals (answered with "
+                        "--detector); queries the detector was fitted on are left out")
+    p.add_argument("--detector", required=True, help="the detector JSON whose P(wrong) is thresholded")
+    p.add_argument("--task", required=True, choices=["fever", "qa"])
+    p.add_argument("--target-error", type=float, required=True, metavar="EPSILON",
+                   help="the error rate allowed among trusted answers, in (0, 1)")
+    p.add_argument("--delta", type=float, default=0.1,
+                   help="the chance the calibration draw misleads (default 0.1: the bound holds with 90%%)")
+    p.add_argument("--out", required=True, help="the certificate JSON (give it to run/serve as --trust)")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("train", help="learn the repair policy online (Alg. 2) and save it")
     _run_args(p)

@@ -48,6 +48,7 @@ arms allowed, is Algorithm 1's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -309,6 +310,15 @@ class Detector:
             raise ValueError(f"detector: infinite feature value(s) in {', '.join(cols)}; P(wrong) is undefined")
         return _sigmoid(((x - self.mean) / self.scale) @ self.weights + self.bias)
 
+    def p_wrong_of_signals(self, signals: dict) -> float:
+        """P(wrong) from a record's `detector_signals` (null: missing); refused when one is absent."""
+        absent = [n for n in self.names if n not in signals]
+        if absent:
+            raise ConfigError(f"a record's detector_signals lack {', '.join(absent[:3])}: it was written by another "
+                              f"version; answer the queries again with this one")
+        row = np.array([[np.nan if signals[n] is None else float(signals[n]) for n in self.names]])
+        return float(self.p_wrong_many(row)[0])
+
     def assess(self, attempt, fact_verification: bool, training_query: str | None = None) -> tuple[float, dict]:
         """P(wrong) of one attempt and the signals behind it (missing ones NaN). `training_query`: the
         query's text while a policy trains; a query the detector was fitted on then gets its
@@ -398,6 +408,8 @@ class Detector:
             stats.update(groups_kept=kept, groups_dropped=dropped, groups_missing=absent,
                          group_rule="groups missing on every training query left out; then backward elimination "
                                     "on the out-of-fold log-loss")
+        if keys is not None:        # which queries it was fitted on: calibrate refuses their in-sample P(wrong)
+            stats["training_queries_sha256_16"] = sorted(query_hash(k) for k in set(keys))
         present_share = {names[c]: float(present[:, j].mean()) for j, c in enumerate(cols)}
         stats["missing_share"] = {n: 1.0 - present_share[n] for n in names if n in MAY_BE_MISSING
                                   and n in present_share}
@@ -441,6 +453,11 @@ class Detector:
             raise ConfigError(f"{path} holds weights of the wrong shape or non-finite values; {REFIT}")
         return cls(want, str(raw.get("task")), arrays["mean"], arrays["scale"], arrays["weights"],
                    float(raw["bias"]), float(raw["threshold"]), dict(raw.get("fit") or {}), arrays["impute"])
+
+
+def query_hash(text: str) -> str:
+    """16 hex digits of sha256 of the query text: the detector file names its training queries by these."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def first_answer(fact_verification: bool, attempt) -> str:

@@ -33,6 +33,7 @@ from d2r_edge.repair import (
     allowed_arms,
 )
 from d2r_edge.retrieval.retriever import Passage, Retriever, evidence_text
+from d2r_edge.selective import Certificate
 from d2r_edge.signals import Entailment, FailureType, KGStatus
 from d2r_edge.tasks import Task
 
@@ -102,8 +103,18 @@ class Pipeline:
     detector: Detector | None = None            # P(wrong): recorded when loaded, gates with Gate.CALIBRATED
     comparator: Comparator | None = None        # accept or revert each repair (d2r_edge.accept); needs the detector
     unverified_rule: bool = True                # FEVER: an UNVERIFIED first answer gets retrieval arms only
+    trust: Certificate | None = None            # trusted: the final answer's P(wrong) <= its certified threshold
+    abstain_text: str | None = None             # set: an untrusted final answer becomes this stated abstention
     # the policy (select/update) and a refresh, when queries run in parallel threads
     state_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.trust is not None and self.detector is None:
+            raise ConfigError("a trust certificate (--trust FILE) thresholds the detector's P(wrong): give the "
+                              "detector it was calibrated on too (--detector FILE)")
+        if self.abstain_text is not None and self.trust is None:
+            raise ConfigError("--abstain withholds untrusted answers: give the trust certificate that says which "
+                              "are trusted (--trust FILE, from d2r-edge calibrate)")
 
     def assess(self, first: Attempt, training_query: str | None = None) -> tuple[bool, float | None, dict | None]:
         """(repair this first answer?, P(wrong), the signals behind it). `paper`: Alg. 1 named a
@@ -267,6 +278,9 @@ class Pipeline:
         rec = {"first": first.summary(), "failure": first.diagnosis.failure.value, "repair": None}
         t_gate = time.perf_counter()
         repair, p_wrong, signals = self.assess(first, query if learn else None)
+        if self.trust is not None and not repair and not self.trust.trusted(p_wrong):
+            repair = True           # an answer that would be withheld or marked untrusted gets its repair first
+            rec["repair_reason"] = "untrusted"
         rec["gate"], rec["gate_s"] = self.gate.value, time.perf_counter() - t_gate
         if p_wrong is not None:   # missing signals (no log-probabilities) are recorded as null
             rec["p_wrong"] = p_wrong
@@ -305,12 +319,30 @@ class Pipeline:
         rec["final"] = final.summary()
         rec["final_answer"] = self.answer(final)
         rec["first_answer"] = self.answer(first)
+        if self.trust is not None:
+            self._judge(rec, first, final, p_wrong)
         kb = getattr(self.retriever, "kb", None)
         if kb is not None:   # which KB answered: its version on disk, and what a refresh added in memory
             rec["kb_version"], rec["kb_docs_added_in_memory"] = kb.version, kb.session_docs
         replayed_s = first.generation.replayed_s + (rec["repair"] or {}).get("replayed_s", 0.0)
         rec["total_s"] = time.perf_counter() - t_start + replayed_s
         return rec, first, final
+
+    def _judge(self, rec: dict, first: Attempt, final: Attempt, p_wrong_first: float) -> None:
+        """The final answer judged against the trust certificate (d2r_edge.selective); untrusted and
+        `abstain_text` set: the answer is withheld as a stated abstention (FEVER: NOT ENOUGH INFO).
+        The certificate covers first answers (what it was calibrated on); a repaired answer is judged
+        by the same threshold, and the record says it is outside the certificate."""
+        repaired = final is not first
+        p = self.detector.assess(final, self.task.fact_verification)[0] if repaired else p_wrong_first
+        trusted = self.trust.trusted(p)
+        rec["trusted"] = trusted
+        rec["trust"] = {"p_wrong": p, **self.trust.to_record(), "judged": "repaired" if repaired else "first",
+                        "certified": not repaired}
+        rec["abstained"] = bool(self.abstain_text is not None and not trusted)
+        if rec["abstained"]:
+            rec["answer_withheld"] = rec["final_answer"]
+            rec["final_answer"] = Label.NOT_ENOUGH_INFO.value if self.task.fact_verification else self.abstain_text
 
     def fits_deadline(self, allowed: np.ndarray, left_s: float, first: Attempt) -> tuple[np.ndarray, float]:
         """(allowed arms predicted to finish within `left_s`, the cheapest prediction among them)."""

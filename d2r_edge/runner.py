@@ -348,6 +348,7 @@ def summary(records: list[dict]) -> str:
             name = "naive (first answer)" if which == "first" else "D2R (final answer)"
             lines.append(f"{name} accuracy/EM: {np.mean(vals):.3f} over {len(vals)}")
     lines += _containment(ok)
+    lines += _trust(ok)
     tot = [r["total_s"] for r in ok]
     if tot:
         lines.append(f"per-query latency p50 {np.percentile(tot, 50):.3f} s, p95 {np.percentile(tot, 95):.3f} s")
@@ -359,6 +360,21 @@ def summary(records: list[dict]) -> str:
                      f"budget violations {over}/{len(rep)}; memory kind {rep[0]['memory_kind']}")
     lines += _repairs(ok)
     return "\n".join(lines)
+
+
+def _trust(ok: list[dict]) -> list[str]:
+    """With a trust certificate: the share of answers trusted and, where gold exists, their error."""
+    judged = [r for r in ok if isinstance(r.get("trusted"), bool)]
+    if not judged:
+        return []
+    trusted = [r for r in judged if r["trusted"]]
+    graded = [r["final_correct"] for r in trusted if r.get("final_correct") is not None]
+    eps = (judged[0].get("trust") or {}).get("epsilon")
+    line = (f"trusted answers: {len(trusted)}/{len(judged)} ({len(trusted) / len(judged):.1%} coverage; certified "
+            f"error <= {eps}), abstained {sum(1 for r in judged if r.get('abstained'))}")
+    if graded:
+        line += f"; wrong among the trusted: {1 - np.mean(graded):.3f} over {len(graded)}"
+    return [line]
 
 
 def _containment(ok: list[dict]) -> list[str]:

@@ -77,6 +77,8 @@ class Result:
     repair_error: str | None
     over_budget: bool
     record: dict                         # the `run` record (plus request_id)
+    trusted: bool | None = None          # with a trust certificate: the final answer's P(wrong) <= its threshold
+    abstained: bool = False              # untrusted and withheld (`answer` is then the stated abstention)
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,8 @@ class Runtime:
             failure=first.diagnosis.failure, final_failure=final.diagnosis.failure, repaired=bool(repair),
             arm=repair.get("arm"), passages=_refs(final.passages), diagnosis=final.diagnosis,
             p_wrong=rec.get("p_wrong"), latency_ms=split_ms(rec), skipped=rec.get("repair_skipped"),
-            repair_error=rec.get("repair_error"), over_budget=bool(repair.get("over_budget")), record=record)
+            repair_error=rec.get("repair_error"), over_budget=bool(repair.get("over_budget")), record=record,
+            trusted=rec.get("trusted"), abstained=bool(rec.get("abstained")))
 
     def save_policy(self, path: Path) -> None:
         """The policy and its cost model, saved atomically (between two answers)."""

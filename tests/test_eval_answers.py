@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from d2r_edge.cli import main
@@ -524,6 +525,27 @@ def test_the_calibrated_gate_repairs_by_p_wrong(tmp_path, tiny_models, fever_fil
     oracle = _records(out, "oracle")
     assert all(not r["repaired"] for r in oracle if r["id"] not in gated)
     assert "This run's gate: `calibrated`" in (out / "report.md").read_text()
+    # selective answering: the test side's risk-coverage curve is the naive records' own (P(wrong), right?)
+    sel = s["selective"]
+    wrong = np.array([r["first_correct"] < 1.0 for r in naive.values()])
+    p = np.array([r["p_wrong"] for r in naive.values()])
+    order = np.argsort(p, kind="stable")
+    assert sel["naive_error"] == pytest.approx(wrong.mean()) and sel["n_calibration"] == 40
+    curve = sel["curves"]["calibrated"]
+    assert curve["coverage"][-1] == 1.0 and curve["error"][-1] == pytest.approx(wrong.mean())
+    if len(np.unique(p)) == len(p):
+        assert curve["error"][0] == float(wrong[order[0]])
+    assert {(r["score"], r["epsilon"]) for r in sel["rows"]} == {
+        (k, e) for k in ("alg1_nli", "calibrated") for e in (0.05, 0.1, 0.2, 0.25, 0.3, 0.4)}
+    for r in sel["rows"]:
+        if r["threshold"] is None:
+            assert r["coverage"] == 0.0 and "labeled queries" in r["refused"]
+        elif r["score"] == "calibrated":
+            keep = p <= r["threshold"]
+            assert r["trusted"] == int(keep.sum()) and r["errors"] == int(wrong[keep].sum())
+    assert len(sel["resplit"]) == 12 and all(0 <= c["violation_rate"] <= 1 for c in sel["resplit"])
+    assert "## Selective answering" in (out / "report.md").read_text()
+    assert (out / "fig_risk_coverage.png").is_file() or not s.get("figures")
     # the same --out under the other gate is another evaluation: refused rather than mixed
     args = _args(fever_file, tiny_models, out, "--methods", "naive")
     args[args.index("--train-limit") + 1] = "40"

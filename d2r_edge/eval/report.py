@@ -17,6 +17,8 @@ from d2r_edge.eval.metrics import (
     paired_bootstrap,
     percentiles,
 )
+from d2r_edge.eval.selective import figure as risk_coverage_figure
+from d2r_edge.eval.selective import markdown_lines as selective_lines
 from d2r_edge.repair import ARM_NAMES, ARMS
 from d2r_edge.signals import FailureType
 
@@ -167,6 +169,15 @@ def _detection(ctx: Context) -> dict:
             "detection_train_cv": cv, "detection_ablation": ablation(ctx)}
 
 
+def _selective(ctx: Context) -> dict | None:
+    """`selective` (d2r_edge.eval.selective); None when the training side cannot be scored."""
+    from d2r_edge.eval.selective import selective
+
+    if not ctx.train or not ctx.test:
+        return None
+    return selective(ctx)
+
+
 def summarize(ctx: Context, records: dict[str, list[dict]], extra: dict) -> dict:
     naive = records.get(Method.NAIVE.value) or [
         {**r, "final_correct": r["first_correct"]} for r in next(iter(records.values()))]
@@ -175,6 +186,7 @@ def summarize(ctx: Context, records: dict[str, list[dict]], extra: dict) -> dict
             "methods": {m: method_metrics(ctx, recs, naive) for m, recs in records.items()},
             "diagnosis": diagnosis_table(ctx),
             **_detection(ctx),
+            "selective": _selective(ctx),
             # every arm on every failing test query: computed for the oracle, so only with it
             "arms_by_failure": arm_table(ctx) if Method.ORACLE.value in records else {},
             "policy_picks": policy_picks(records)}
@@ -399,6 +411,7 @@ def markdown(summary: dict) -> str:
                           + (f" The gate these training figures choose: `{cv['gate_by_training_cv']}`."
                              if cv.get("gate_by_training_cv") else "")]
     lines += _ablation_lines(summary.get("detection_ablation"))
+    lines += selective_lines(summary.get("selective"))
     d = summary["diagnosis"]
     lines += ["", "## Table 4: diagnosis", ""]
     lines += _table(["first-pass failure", "queries", "share", "first answer right"],
@@ -485,7 +498,8 @@ def figures(summary: dict, out: Path) -> list[Path]:
         paths.append(out / "fig_budget.png")
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
-    return paths
+    rc = risk_coverage_figure(summary.get("selective"), out, plt)
+    return paths + ([rc] if rc else [])
 
 
 def write_report(ctx: Context, records: dict[str, list[dict]], extra: dict) -> dict:

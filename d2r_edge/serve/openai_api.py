@@ -138,6 +138,9 @@ def d2r_object(res: Result, budget, deadline_s: float | None) -> dict:
                        "label": d.label.value if d.label else None,
                        "gated_label": d.gated_label.value if d.gated_label else None},
         "p_wrong": res.p_wrong, "latency_ms": res.latency_ms,
+        # a trust certificate (--trust): whether the answer is trusted, at what certified error; --abstain
+        # withholds an untrusted one (the answer is then the stated abstention)
+        "trusted": res.trusted, "trust": res.record.get("trust"), "abstained": res.abstained,
         "budget": {**_repair_bounds(res, budget), "over_budget": res.over_budget,
                    "deadline_ms": None if deadline_s is None else round(deadline_s * 1000.0, 3),
                    "repair_skipped": res.skipped, "repair_error": res.repair_error},

@@ -116,6 +116,10 @@ def card(rec: dict, titles: dict[str, dict]) -> dict:
         "error": None if rec.get("error") is None else str(rec.get("error"))[:300],
         "repair_error": None if rec.get("repair_error") is None else str(rec.get("repair_error"))[:300],
         "total_s": _num(rec.get("total_s"), 4), "first": _attempt(rec.get("first"), titles),
+        # a trust certificate's verdict (run/serve --trust): None when the run had none
+        "trusted": rec.get("trusted") if isinstance(rec.get("trusted"), bool) else None,
+        "abstained": rec.get("abstained") is True, "withheld": _text(rec.get("answer_withheld")),
+        "trust_epsilon": _num(_dict(rec.get("trust")).get("epsilon"), 3),
         "final": _attempt(rec.get("final"), titles) if rep else None, "repair": None,
     }
     if rep:
@@ -147,6 +151,8 @@ def summarize(cards: list[dict]) -> dict:
     for c in reps:
         arms[c["failure"]][c["repair"]["arm"] or "none"] += 1
     total_p = percentiles([c["total_s"] for c in cards])
+    judged = [c for c in cards if c["trusted"] is not None]
+    trusted_graded = [c for c in judged if c["trusted"] and c["final_correct"] is not None]
     rep_s = percentiles([c["repair"]["latency_s"] for c in reps])
     rep_mib = percentiles([c["repair"]["mem_mib"] for c in reps])
     return {
@@ -163,4 +169,10 @@ def summarize(cards: list[dict]) -> dict:
         "repair_mib_p50": rep_mib[0], "repair_mib_p95": rep_mib[1],
         "over_budget": sum(c["repair"]["over_budget"] for c in reps),
         "arms_by_failure": {k: dict(v.most_common()) for k, v in sorted(arms.items())},
+        # coverage: the share of judged answers trusted; its error where gold exists
+        "trust_judged": len(judged), "trusted": sum(c["trusted"] for c in judged),
+        "abstained": sum(c["abstained"] for c in cards),
+        "trusted_error": (sum(not c["final_correct"] for c in trusted_graded) / len(trusted_graded)
+                          if trusted_graded else None),
+        "trust_epsilon": next((c["trust_epsilon"] for c in judged if c["trust_epsilon"] is not None), None),
     }

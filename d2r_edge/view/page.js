@@ -37,6 +37,8 @@ function render(c){var d=el("div","card");
   if(c.first_correct===false&&c.final_correct===true)m.appendChild(tag("wrong \u2192 right","ok"));
   if(c.first_correct===true&&c.final_correct===false)m.appendChild(tag("right \u2192 wrong","bad"));
   if(c.repair&&c.repair.over_budget)m.appendChild(tag("over budget","bad"));
+  if(c.trusted!==null)m.appendChild(tag(c.trusted?"trusted":"untrusted",c.trusted?"ok":"warn"));
+  if(c.abstained)m.appendChild(tag("abstained","warn"));
   if(c.error)m.appendChild(tag("error","bad"));
   m.appendChild(el("span",null," id "+c.id+(c.task?" \u00b7 "+c.task:"")+(c.gate?" \u00b7 gate "+c.gate:"")+
     " \u00b7 "+fmt(c.total_s*1000,1)+" ms"));d.appendChild(m);
@@ -44,6 +46,7 @@ function render(c){var d=el("div","card");
   [["gold",c.gold,null],["first",c.first_answer,c.first_correct],["final",c.final_answer,c.final_correct]].forEach(function(r){
     if(r[0]==="gold"&&!r[1])return;a.appendChild(el("div","meta",r[0]));a.appendChild(el("div",null,r[1]+mark(r[2])));});
   d.appendChild(a);
+  if(c.abstained&&c.withheld!==null)d.appendChild(el("div","meta","withheld (untrusted): "+c.withheld));
   if(c.error)d.appendChild(el("div","meta","error: "+c.error));
   if(c.repair_error)d.appendChild(el("div","meta","repair error (first answer kept): "+c.repair_error));
   if(c.first){var s=el("div","meta","signals: e_q "+c.first.e_q+" \u00b7 e_r "+c.first.e_r+" \u00b7 KG "+c.first.kg+
@@ -73,6 +76,7 @@ prep(cards);
 var checks={repaired:function(c){return !!c.repair;},changed:function(c){return c.changed;},
   fixed:function(c){return c.first_correct===false&&c.final_correct===true;},
   broken:function(c){return c.first_correct===true&&c.final_correct===false;},
+  untrusted:function(c){return c.trusted===false;},
   wrong:function(c){return c.final_correct===false;},right:function(c){return c.final_correct===true;},
   over:function(c){return !!(c.repair&&c.repair.over_budget);},error:function(c){return !!c.error;}};
 function apply(keep){var text=q.value.trim().toLowerCase(),f=fail.value,on=[],want=keep?Math.max(shown,PAGE):PAGE;

@@ -29,7 +29,7 @@ _JS = resources.files(__package__).joinpath("page.js").read_text(encoding="utf-8
 
 _FILTERS = [("repaired", "repaired"), ("changed", "answer changed"), ("fixed", "wrong \u2192 right"),
             ("broken", "right \u2192 wrong"), ("wrong", "final wrong"), ("right", "final right"),
-            ("over", "over budget"), ("error", "error")]
+            ("untrusted", "untrusted"), ("over", "over budget"), ("error", "error")]
 
 
 def _json_for_script(obj) -> str:
@@ -69,6 +69,12 @@ def _summary_html(s: dict) -> str:
              ("repair time p50 / p95", f'{_fmt(s["repair_s_p50"], 0, 1e3)} / {_fmt(s["repair_s_p95"], 0, 1e3, " ms")}'),
              ("repair memory p50 / p95", f'{_fmt(s["repair_mib_p50"], 2)} / {_fmt(s["repair_mib_p95"], 2, 1, " MiB")}'),
              ("over budget", f'{s["over_budget"]} of {s["repaired"]} repairs'), ("errors", str(s["errors"]))]
+    if s.get("trust_judged"):
+        cov = s["trusted"] / s["trust_judged"]
+        err = "" if s["trusted_error"] is None else f', wrong {s["trusted_error"]:.3f}'
+        trust = (f'{s["trusted"]} of {s["trust_judged"]} ({cov:.1%}){err}; certified error <= '
+                 f'{_fmt(s["trust_epsilon"], 2)}; {s["abstained"]} abstained')
+        boxes.insert(4, ("trusted (coverage)", trust))
     out = ['<section class="summary">']
     out += [f'<div class="box"><b>{e(v)}</b><span>{e(k)}</span></div>' for k, v in boxes]
     out.append('</section><section class="summary">')
