@@ -55,6 +55,7 @@ class RunSettings:
     timeout_s: float = 60.0
     self_consistency: int = 0              # openai generator: N more samples per answer (d2r_edge.consistency)
     sample_temperature: float = 0.7
+    self_check: bool = False               # openai generator: P(True) of each first answer, one more request
     policy_path: Path | None = None
     policy_kind: str = "linucb"
     alpha: float = 2.0
@@ -89,6 +90,9 @@ class RunSettings:
                 raise ConfigError(f"{name} must be an int >= 0 (0 = off), got {value!r}")
         if not isinstance(self.self_consistency, int) or self.self_consistency < 0:
             raise ConfigError(f"self_consistency must be an int >= 0, got {self.self_consistency!r}")
+        if self.self_check and self.generator != "openai":
+            raise ConfigError(f"--self-check asks an LLM about its own answer; the {self.generator} generator has "
+                              f"none to ask (use --generator openai)")
         if self.self_consistency and self.generator != "openai":
             raise ConfigError(f"--self-consistency samples an LLM; the {self.generator} generator is deterministic "
                               f"(use --generator openai, or leave it at 0)")

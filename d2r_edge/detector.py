@@ -16,6 +16,9 @@ Newton steps with an L2 penalty on standardized features) over
 - self-consistency (d2r_edge/consistency.py), where the generator drew samples:
   the samples' agreement with the answer, the number of answer clusters and
   their entropy; missing (NaN) without samples, like the log-probabilities;
+- the self-check (issue 53, `--self-check`): the same model's P(True) that its
+  answer is correct, asked in one more request (Kadavath et al. 2022);
+  missing (NaN) where not asked or not readable;
 - the generator's own confidence: the log-probability of the answer's first
   token (where a FEVER label's decision sits), their sum and their minimum,
   where the server returns them (OpenAI-compatible `logprobs`). Not the mean:
@@ -66,11 +69,11 @@ _COMMON = ("q_ent_max", "q_con_max", "q_neu_min", "q_ent_mean", "q_con_mean", "q
            "r_ent_max", "r_con_max", "r_neu_min", "r_ent_mean", "r_con_mean", "r_margin_top", "r_entailing_share",
            "ret_top1", "ret_gap", "n_passages", "answer_len_log", "kg_conflict", "kg_consistent",
            "gen_logprobs_present", "gen_logprob_first", "gen_logprob_sum", "gen_logprob_min",
-           "sc_agreement", "sc_clusters", "sc_entropy")
+           "sc_agreement", "sc_clusters", "sc_entropy", "self_check_p_true")
 REFIT = "refit it (d2r-edge train --gate calibrated, or d2r-edge eval answers)"
 # NaN when the generator gave no log-probabilities (imputed at scoring time, see the module docstring)
 MAY_BE_MISSING = ("gen_logprob_first", "gen_logprob_sum", "gen_logprob_min", "sc_agreement", "sc_clusters",
-                  "sc_entropy")
+                  "sc_entropy", "self_check_p_true")
 L2_GRID = (0.1, 1.0, 10.0, 100.0, 1000.0)     # candidates for the penalty, chosen by out-of-fold log-loss
 
 
@@ -100,6 +103,7 @@ def feature_groups(fact_verification: bool) -> dict[str, tuple[str, ...]]:
               "retrieval": ("ret_top1", "ret_gap", "n_passages"),
               "log_probs": tuple(n for n in names if n.startswith("gen_")),
               "self_consistency": tuple(n for n in names if n.startswith("sc_")),
+              "self_check": ("self_check_p_true",),
               "answer": tuple(n for n in names if n == "answer_len_log" or n.startswith("label_"))}
     return groups
 
@@ -139,6 +143,8 @@ def features(attempt, fact_verification: bool) -> dict[str, float]:
     out["gen_logprob_first"] = float(lp[0]) if lp else math.nan
     out["gen_logprob_sum"] = float(np.sum(lp)) if lp else math.nan
     out["gen_logprob_min"] = float(np.min(lp)) if lp else math.nan
+    p_true = getattr(attempt.generation, "p_true", None)
+    out["self_check_p_true"] = float(p_true) if p_true is not None else math.nan
     sc = getattr(d, "consistency", None) or {}
     for name in ("sc_agreement", "sc_clusters", "sc_entropy"):
         out[name] = float(sc[name]) if name in sc else math.nan

@@ -223,6 +223,8 @@ class Pipeline:
         t["generate_s"] = time.perf_counter() - t0
         if gen.samples:            # the self-consistency signal's share of generate_s (replayed or live)
             t["samples_s"] = gen.samples_s
+        if gen.p_true_s:           # the self-check's share of generate_s
+            t["p_true_s"] = gen.p_true_s
         return self._diagnosed(query, passages, texts, gen, t)
 
     def _diagnosed(self, query: str, passages: list[Passage], texts: list[str], gen: Generation,

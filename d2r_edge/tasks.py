@@ -49,6 +49,18 @@ def build_prompt(task: Task, style: PromptStyle, query: str, passages: list[str]
     return Prompt(table["system"], table[style.value].format(query=query, evidence=evidence))
 
 
+def build_self_check(task: Task, query: str, passages: list[str], answer: str) -> Prompt:
+    """The P(True) question (issue 53): the task's passages and query, the proposed answer, True or False?"""
+    table = _templates()[task.value]
+    evidence = "\n".join(f"[{i + 1}] {p}" for i, p in enumerate(passages)) or "(no passages found)"
+    return Prompt(table["system"], table["self_check"].format(query=query, evidence=evidence, answer=answer))
+
+
+def self_check_sha256(task: Task) -> str:
+    table = _templates()[task.value]
+    return hashlib.sha256(f"{table['system']}\n{table['self_check']}".encode()).hexdigest()
+
+
 def template_sha256(task: Task, style: PromptStyle) -> str:
     """The prompt template of (task, style) with its system line: cached answers are keyed by it,
     so a changed prompt never replays answers to the old one."""

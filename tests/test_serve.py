@@ -28,7 +28,7 @@ from d2r_edge.serve.app import ServeConfig, create_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 D2R_KEYS = {"request_id", "task", "failure_type", "final_failure_type", "repaired", "arm", "first_answer",
-            "passages", "entailment", "p_wrong", "latency_ms", "budget"}
+            "passages", "entailment", "p_wrong", "latency_ms", "budget", "trusted", "trust", "abstained"}
 
 
 def call(url: str, path: str, body=None, headers: dict | None = None, method: str | None = None):

@@ -20,8 +20,9 @@ Labels: FEVER, the generator's label is wrong; QA, the answer is not an exact ma
 
 Cost per query (seconds, from the first attempts' recorded stage times): the NLI pairs
 behind the NLI and grounding groups (`diagnose_s`, which for QA also clusters the
-samples), the samples behind self-consistency (`samples_s`), the answer itself
-(`generate_s` without the samples; its log-probabilities come with it), retrieval.
+samples), the samples behind self-consistency (`samples_s`), the self-check's request
+(`p_true_s`), the answer itself (`generate_s` without those; its log-probabilities come with
+it), retrieval.
 """
 
 from __future__ import annotations
@@ -106,10 +107,12 @@ def signal_costs(firsts) -> dict[str, dict[str, float]]:
 
     t = [a.timings_s for a in firsts]
     sampled = [x for x in t if "samples_s" in x]
+    checked = [x for x in t if "p_true_s" in x]
     return {"nli_pairs (nli_query, grounding)": stats([x.get("diagnose_s", 0.0) for x in t]),
             "samples (self_consistency)": stats([x["samples_s"] for x in sampled]),
+            "self-check request (self_check)": stats([x["p_true_s"] for x in checked]),
             "answer with log-probs (log_probs, answer)": stats([x.get("generate_s", 0.0) - x.get("samples_s", 0.0)
-                                                               for x in t]),
+                                                               - x.get("p_true_s", 0.0) for x in t]),
             "retrieval (retrieval)": stats([x.get("retrieve_s", 0.0) + x.get("embed_query_s", 0.0) for x in t])}
 
 

@@ -30,7 +30,7 @@ from d2r_edge.repair import PipelineConfig
 from d2r_edge.retrieval.retriever import Passage
 from d2r_edge.runner import RecordLog, read_records
 from d2r_edge.signals import Entailment, FailureType, KGStatus
-from d2r_edge.tasks import template_sha256
+from d2r_edge.tasks import Task, self_check_sha256, template_sha256
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ def attempt_to_json(a: Attempt) -> dict:
                        "label": a.generation.label.value if a.generation.label else None,
                        "raw": a.generation.raw,
                        "logprobs": None if a.generation.logprobs is None else list(a.generation.logprobs),
-                       **({"samples": list(a.generation.samples)} if a.generation.samples is not None else {})},
+                       **({"samples": list(a.generation.samples)} if a.generation.samples is not None else {}),
+                       **({"p_true": a.generation.p_true} if a.generation.p_true is not None else {})},
         "diagnosis": {"failure": d.failure.value, "e_q": d.e_q.value, "e_r": d.e_r.value, "kg": d.kg.value,
                       "label": d.label.value if d.label else None,
                       "gated_label": d.gated_label.value if d.gated_label else None,
@@ -76,7 +77,7 @@ def attempt_from_json(row: dict, chunks: list[dict]) -> Attempt:
                      _label(d["label"]), _label(d["gated_label"]), _probs(d["nli_q"]), _probs(d["nli_r"]),
                      _consistency(d))
     return Attempt(passages, Generation(_text(g["response"]), _label(g["label"]), _text(g["raw"]),
-                                        logprobs=_logprobs(g), samples=_samples(g)), diag,
+                                        logprobs=_logprobs(g), samples=_samples(g), p_true=_p_true(g)), diag,
                    {str(k): float(v) for k, v in dict(row["timings_s"]).items()})
 
 
@@ -110,8 +111,8 @@ def attempt_row_ok(chunks: list[dict]):
 
 def generation_row_ok(row: dict) -> bool:
     """A validator of stored generator answers: the row replays as a Generation."""
-    _label(row["label"]), _logprobs(row), _samples(row)
-    float(row.get("latency_s") or 0.0), float(row.get("samples_s") or 0.0)
+    _label(row["label"]), _logprobs(row), _samples(row), _p_true(row)
+    float(row.get("latency_s") or 0.0), float(row.get("samples_s") or 0.0), float(row.get("p_true_s") or 0.0)
     return isinstance(row["key"], str) and isinstance(row["response"], str) and isinstance(row["raw"], str)
 
 
@@ -121,6 +122,14 @@ def _logprobs(row: dict) -> tuple[float, ...] | None:
     if lp is not None and not (isinstance(lp, list) and all(map(_is_number, lp))):
         raise TypeError("logprobs is not a list of numbers")
     return None if lp is None else tuple(float(v) for v in lp)
+
+
+def _p_true(row: dict) -> float | None:
+    """A stored self-check P(True); None where none was asked or readable (or rows written before it)."""
+    p = row.get("p_true")
+    if p is not None and not (_is_number(p) and 0.0 <= p <= 1.0):
+        raise TypeError("p_true is not a probability")
+    return None if p is None else float(p)
 
 
 def _samples(row: dict) -> tuple[str, ...] | None:
@@ -180,6 +189,11 @@ class _RowLog:
     def close(self) -> None:
         if self._log is not None:
             self._log.close()
+
+
+def self_check_sha256_all() -> str:
+    """The self-check prompts of every task, hashed: a changed question is another request."""
+    return hashlib.sha256("".join(self_check_sha256(t) for t in Task).encode()).hexdigest()[:16]
 
 
 def _attempt_key(row: dict) -> tuple[str, str, bool]:
@@ -266,6 +280,8 @@ class CachedGenerator:
                     "max_tokens": getattr(inner, "max_tokens", None)}
         samples = ({"samples": inner.samples, "sample_temperature": inner.sample_temperature}
                    if getattr(inner, "samples", 0) else {})
+        if getattr(inner, "self_check", False):     # a row without P(True) must not answer a request for one
+            samples = {**samples, "self_check": self_check_sha256_all()}
         base = {"name": self.name, "served": self.served, **sampling}
         self.identity = json.dumps(base, sort_keys=True)
         self.sampled_identity = json.dumps({**base, **samples}, sort_keys=True) if samples else self.identity
@@ -317,7 +333,8 @@ class CachedGenerator:
             # metered cost stays the generator's cost (rows written before this have none)
             return Generation(row["response"], _label(row["label"]), row["raw"],
                               replayed_s=float(row.get("latency_s") or 0.0), logprobs=_logprobs(row),
-                              samples=_samples(row), samples_s=float(row.get("samples_s") or 0.0))
+                              samples=_samples(row), samples_s=float(row.get("samples_s") or 0.0),
+                              p_true=_p_true(row), p_true_s=float(row.get("p_true_s") or 0.0))
         return self._call(key, task, style, query, passages, sample)
 
     def _call(self, key: str, task, style, query: str, passages: list[str], sample: bool) -> Generation:
@@ -327,7 +344,8 @@ class CachedGenerator:
         self.add({"key": key, "response": gen.response, "label": gen.label.value if gen.label else None,
                   "raw": gen.raw, "latency_s": time.perf_counter() - t0,
                   "logprobs": None if gen.logprobs is None else list(gen.logprobs),
-                  **({"samples": list(gen.samples), "samples_s": gen.samples_s} if gen.samples is not None else {})})
+                  **({"samples": list(gen.samples), "samples_s": gen.samples_s} if gen.samples is not None else {}),
+                  **({"p_true": gen.p_true, "p_true_s": gen.p_true_s} if gen.p_true_s > 0 else {})})
         return gen
 
     def add(self, row: dict) -> None:

@@ -24,6 +24,10 @@ class Generation:
     # (FEVER: labels, QA: answers; d2r_edge.consistency); None: not asked for
     samples: tuple[str, ...] | None = None
     samples_s: float = 0.0     # of the generation's time, what drawing the samples took (the signal's cost)
+    # self-check (issue 53): the same model's P(True) that this answer is correct, read from the first
+    # token's top log-probabilities of one more request; None: not asked, or not readable
+    p_true: float | None = None
+    p_true_s: float = 0.0      # of the generation's time, what the self-check request took
 
 
 class Generator(Protocol):

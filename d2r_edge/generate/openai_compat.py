@@ -30,7 +30,7 @@ from d2r_edge.errors import ConfigError, D2RError
 from d2r_edge.generate.base import Generation, parse_output
 from d2r_edge.redact import excerpt, register_secret, safe_url
 from d2r_edge.repair import PromptStyle
-from d2r_edge.tasks import Task, build_prompt
+from d2r_edge.tasks import Task, build_prompt, build_self_check
 
 log = logging.getLogger(__name__)
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -121,6 +121,7 @@ class OpenAICompatible:
     max_retry_after_s: float = 30.0   # a server asking to wait longer than this is not retried
     samples: int = 0                  # self-consistency: this many more answers at sample_temperature
     sample_temperature: float = 0.7
+    self_check: bool = False          # P(True): one more request asking the model whether its answer is right
     name: str = "openai"
     _client: httpx.Client | None = field(default=None, init=False, repr=False, compare=False)
     _client_pid: int = field(default=0, init=False, repr=False, compare=False)
@@ -289,7 +290,7 @@ class OpenAICompatible:
 
     def complete(self, messages: list[dict], max_tokens: int | None = None, stop: list[str] | None = None,
                  json_mode: bool | None = None, temperature: float | None = None, seed: int | None = None,
-                 logprobs: bool = True) -> "ChatResult":
+                 logprobs: bool = True, top_logprobs: int = 1) -> "ChatResult":
         """One chat completion with the server's token counts. json_mode (default: this client's)
         asks for a JSON object; a server that rejects it is asked without, from then on. `seed`: for
         a sample at a temperature (servers that honour it, llama.cpp among them, then repeat it)."""
@@ -303,7 +304,7 @@ class OpenAICompatible:
             payload["response_format"] = {"type": "json_object"}
         if self.logprobs and logprobs:
             # top_logprobs too: llama-cpp-python's server returns none for logprobs=true alone
-            payload["logprobs"], payload["top_logprobs"] = True, 1
+            payload["logprobs"], payload["top_logprobs"] = True, top_logprobs
         t0 = time.perf_counter()
         body = None
         while body is None:
@@ -327,7 +328,8 @@ class OpenAICompatible:
                                  attempts=1) from None
         usage = body.get("usage") or {}
         return ChatResult(text, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
-                          time.perf_counter() - t0, token_logprobs(body["choices"][0]))
+                          time.perf_counter() - t0, token_logprobs(body["choices"][0]),
+                          first_top_logprobs(body["choices"][0]))
 
     def generate(self, task: Task, style: PromptStyle, query: str, passages: list[str],
                  sample: bool = True) -> Generation:
@@ -355,7 +357,26 @@ class OpenAICompatible:
             t0 = time.perf_counter()
             drawn = tuple(self._sample(task, prompt, i) for i in range(self.samples))
             gen = replace(gen, samples=drawn, samples_s=time.perf_counter() - t0)
+        if self.self_check and sample:
+            t0 = time.perf_counter()
+            try:
+                p = self.p_true(task, query, kept, answer or "")
+            except GeneratorError as exc:       # a signal lost, not the answer: the detector sees it missing
+                log.warning("self-check at %s failed, P(True) missing for this answer: %s", self.where, exc)
+                p = None
+            gen = replace(gen, p_true=p, p_true_s=time.perf_counter() - t0)
         return gen
+
+    def p_true(self, task: Task, query: str, passages: list[str], answer: str) -> float | None:
+        """The model's P(True) that `answer` is right (Kadavath et al. 2022): one greedy token after the
+        self-check question, P(True) / (P(True) + P(False)) over its top log-probabilities. None when the
+        server gives no log-probabilities or neither word is among the top tokens (missing, not 0.5)."""
+        if not self.logprobs:
+            return None
+        prompt = build_self_check(task, query, passages, answer)
+        out = self.complete([{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}],
+                            max_tokens=1, json_mode=False, temperature=0.0, top_logprobs=10)
+        return p_true_from_top(out.first_top)
 
     def _sample(self, task: Task, prompt, i: int) -> str:
         """One more answer to the same prompt at `sample_temperature` (seed i: reproducible where the
@@ -373,6 +394,43 @@ class ChatResult:
     completion_tokens: int
     latency_s: float
     tokens: tuple[tuple[bytes, float], ...] | None = None  # (token bytes, log-probability); None: not given
+    first_top: tuple[tuple[str, float], ...] | None = None  # the first token's top alternatives (text, logprob)
+
+
+def first_top_logprobs(choice: dict) -> tuple[tuple[str, float], ...] | None:
+    """`choices[0].logprobs.content[0].top_logprobs` as (token text, logprob) pairs; None when absent."""
+    content = (choice.get("logprobs") or {}).get("content") if isinstance(choice, dict) else None
+    if not isinstance(content, list) or not content or not isinstance(content[0], dict):
+        return None
+    top = content[0].get("top_logprobs")
+    if not isinstance(top, list):
+        return None
+    out = []
+    for item in top:
+        try:
+            lp = float(item["logprob"])
+            tok = item["token"] if isinstance(item["token"], str) else bytes(item.get("bytes") or []).decode(
+                "utf-8", "replace")
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+        if math.isfinite(lp):
+            out.append((tok, lp))
+    return tuple(out) or None
+
+
+def p_true_from_top(top: tuple[tuple[str, float], ...] | None) -> float | None:
+    """P(True) / (P(True) + P(False)) from a first token's alternatives ("True", " true", "TRUE" count as
+    True); None when neither word is among them. One word missing: its probability is taken as 0 (it
+    lies below every listed alternative)."""
+    if not top:
+        return None
+    mass = {"true": 0.0, "false": 0.0}
+    for tok, lp in top:
+        word = tok.strip().strip('."').lower()
+        if word in mass:
+            mass[word] += math.exp(lp)
+    total = mass["true"] + mass["false"]
+    return None if total <= 0 else mass["true"] / total
 
 
 def token_logprobs(choice: dict) -> tuple[tuple[bytes, float], ...] | None:
