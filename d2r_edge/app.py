@@ -75,6 +75,7 @@ class RunSettings:
     unverified_rule: bool = True           # FEVER: UNVERIFIED first answers get retrieval arms only (the paper's)
     trust_path: Path | None = None         # the trust certificate (d2r-edge calibrate); needs the detector
     abstain_text: str | None = None        # set: untrusted answers are withheld (FEVER: NOT ENOUGH INFO; QA: this)
+    vote_k: int = 0                        # >= 2: repair by a weighted vote of the k cheapest arms (d2r_edge.vote)
     nli_cache_pairs: int = 4096            # NLI scores of recent pairs kept (onnx/sharing.py); 0 = none
     parallel_requests: int = 1             # Runtime: queries answered at once (1 = one at a time)
     micro_batch_pairs: int = 0             # > 0: concurrent queries' NLI pairs merged up to this many
@@ -224,7 +225,7 @@ def build_pipeline(s: RunSettings) -> Pipeline:
                     comparator=Comparator.load(s.accept_path) if s.accept_path is not None else None,
                     unverified_rule=s.unverified_rule,
                     trust=(Certificate.load(s.trust_path, s.detector_path) if s.trust_path is not None else None),
-                    abstain_text=s.abstain_text)
+                    abstain_text=s.abstain_text, vote_k=s.vote_k)
 
 
 def without_refresh(arms: ArmAvailability) -> ArmAvailability:

@@ -267,7 +267,7 @@ def _settings(args: argparse.Namespace):
         qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages, gate=Gate(args.gate),
         detector_path=_detector(args), accept_path=_existing(getattr(args, "accept", None), "--accept"),
         unverified_rule=not args.no_unverified_rule,
-        trust_path=_trust(args), abstain_text=_abstain(args),
+        trust_path=_trust(args), abstain_text=_abstain(args), vote_k=args.vote,
         nli_cache_pairs=args.nli_cache_pairs,
         parallel_requests=getattr(args, "parallel", 1), micro_batch_pairs=getattr(args, "micro_batch_pairs", 0),
         micro_batch_wait_ms=getattr(args, "micro_batch_wait_ms", 2.0), response_nli=args.response_nli)
@@ -482,6 +482,11 @@ def _pipeline_args(p: argparse.ArgumentParser, generator_key_flag: str = "--api-
                    help="accept or revert each repair with this comparator (comparator.json from eval answers "
                         "with an *_accept method; needs --detector): the first answer stands when the check "
                         "trusts it more; records say repair.kept and why")
+    p.add_argument("--vote", type=int, default=0, metavar="K",
+                   help="repair by a vote (needs --detector): the K cheapest allowed arms that fit the budget answer "
+                        "again and the answer the attempts agree on wins, each weighted by 1 - its P(wrong), the "
+                        "first answer included (K >= 2; 0 = one arm chosen by the policy). Records carry "
+                        "repair.vote")
     p.add_argument("--trust", default=None, metavar="FILE",
                    help="a trust certificate (d2r-edge calibrate; needs --detector, the one it was calibrated "
                         "on): every record says trusted true/false, with P(wrong) and the certified error rate; "

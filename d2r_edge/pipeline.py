@@ -36,6 +36,7 @@ from d2r_edge.retrieval.retriever import Passage, Retriever, evidence_text
 from d2r_edge.selective import Certificate
 from d2r_edge.signals import Entailment, FailureType, KGStatus
 from d2r_edge.tasks import Task
+from d2r_edge.vote import cheapest_fitting, tally
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class Pipeline:
     unverified_rule: bool = True                # FEVER: an UNVERIFIED first answer gets retrieval arms only
     trust: Certificate | None = None            # trusted: the final answer's P(wrong) <= its certified threshold
     abstain_text: str | None = None             # set: an untrusted final answer becomes this stated abstention
+    vote_k: int = 0                             # >= 2: repair by a P(right)-weighted vote of the k cheapest arms
     # the policy (select/update) and a refresh, when queries run in parallel threads
     state_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
@@ -112,6 +114,10 @@ class Pipeline:
         if self.trust is not None and self.detector is None:
             raise ConfigError("a trust certificate (--trust FILE) thresholds the detector's P(wrong): give the "
                               "detector it was calibrated on too (--detector FILE)")
+        if self.vote_k and (self.vote_k < 2 or self.detector is None):
+            raise ConfigError(f"--vote K runs K >= 2 arms and weights each answer by the detector's P(right): give "
+                              f"K >= 2 and --detector FILE (got K={self.vote_k!r}, detector "
+                              f"{'loaded' if self.detector is not None else 'missing'})")
         if self.abstain_text is not None and self.trust is None:
             raise ConfigError("--abstain withholds untrusted answers: give the trust certificate that says which "
                               "are trusted (--trust FILE, from d2r-edge calibrate)")
@@ -310,7 +316,8 @@ class Pipeline:
             self._check_reward_detector()       # a missing detector is a setting, not one query's failure
             t_repair = time.perf_counter()
             try:
-                rec["repair"], final = self._repair(query, q_vec, first, allowed, learn, spent_s, p_wrong)
+                repair_fn = self._vote if self.vote_k else self._repair
+                rec["repair"], final = repair_fn(query, q_vec, first, allowed, learn, spent_s, p_wrong)
             except RECOVERABLE as exc:
                 # the repair pass failed (generator down, ...): the first answer stands, and says so
                 log.warning("repair of %r failed, keeping the first answer: %s", query[:60], exc)
@@ -356,6 +363,53 @@ class Pipeline:
 
     def answer(self, a: Attempt) -> str:
         return delivered(a, self.task.fact_verification)
+
+    def _vote(self, query: str, q_vec: np.ndarray, first: Attempt, allowed: np.ndarray, learn: bool,
+              spent_s: float, p_wrong: float | None = None) -> tuple[dict, Attempt]:
+        """d2r_edge.vote: the k cheapest allowed arms that fit the budget answer again; the P(right)-weighted
+        vote over them and the first answer decides. No policy is consulted or updated."""
+        t0 = time.perf_counter()
+        budget = self.budget.for_attempt(spent_s)
+        masked = self.costs.mask(budget, allowed)
+        own_s = sum(first.timings_s.get(k, 0.0) for k in STAGES if k != "embed_query_s")
+        predicted = self.costs.predict()[:, 0]
+        predicted = np.where(np.isnan(predicted), own_s, predicted)
+        # the vote is one repair action: its arms together stay within the action's budget
+        arms = cheapest_fitting(masked.allowed, predicted, self.vote_k, budget.latency_s)
+        select_s = time.perf_counter() - t0
+        fv = self.task.fact_verification
+        if p_wrong is None:
+            p_wrong = self.detector.assess(first, fv, query if learn else None)[0]
+        attempts, costs = [first], []
+        for arm in arms:
+            a, cost = self.metered_attempt(query, ARMS[arm].apply(self.default), q_vec, first=first)
+            self.costs.observe(arm, cost.latency_s, cost.mem_growth_mib)
+            attempts.append(a)
+            costs.append(cost)
+        weights = [1.0 - p_wrong] + [1.0 - self.detector.assess(a, fv)[0] for a in attempts[1:]]
+        answers = [self.answer(a) for a in attempts]
+        ballot = tally(query, answers, weights, fv, getattr(self.diagnoser, "nli", None))
+        latency_s = sum(c.latency_s for c in costs)
+        mem_mib = max(c.mem_growth_mib for c in costs)
+        arm = arms[ballot.winner - 1] if ballot.winner else arms[0]
+        kept = Kept.REPAIRED if ballot.winner else Kept.FIRST
+        final = attempts[ballot.winner]
+        return {
+            "allowed": [ARM_NAMES[i] for i in np.flatnonzero(allowed)],
+            "cost_masked": [ARM_NAMES[i] for i in np.flatnonzero(allowed & ~masked.allowed)],
+            "mask_fallback": masked.fallback, "arm": ARM_NAMES[arm], "arm_index": arm,
+            "propensity": None, "explored": False, "latency_s": latency_s, "mem_growth_mib": mem_mib,
+            "memory_kind": costs[0].memory_kind.value, "memory_source": costs[0].memory_source.value,
+            "over_budget": budget.exceeded_by(latency_s, mem_mib), "budget": self.budget.describe(spent_s),
+            "reward": None, "reward_quality": None, "p_wrong_after": None, "x": None,
+            "policy_s": select_s,
+            "is_retrieval_arm": bool(IS_RETRIEVAL[arm]), "unavailable": dict(self.arms.unavailable),
+            "policy_updates": None,
+            "generate_s": sum(a.timings_s.get("generate_s", 0.0) for a in attempts[1:]),
+            "replayed_s": sum(a.generation.replayed_s for a in attempts[1:]),
+            "kept": kept.value, "accept": None,
+            "vote": ballot.to_record(answers, [ARM_NAMES[a] for a in arms]),
+        }, final
 
     def _repair(self, query: str, q_vec: np.ndarray, first: Attempt, allowed: np.ndarray, learn: bool,
                 spent_s: float, p_wrong: float | None = None) -> tuple[dict, Attempt]:

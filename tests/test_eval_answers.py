@@ -504,7 +504,7 @@ def test_the_calibrated_gate_repairs_by_p_wrong(tmp_path, tiny_models, fever_fil
     test query gets a repair exactly when its P(wrong) reaches the detector's threshold."""
     out = tmp_path / "out"
     _evaluate_hashed(fever_file, tiny_models, out, 40, "--gate", "calibrated",
-                     "--methods", "naive,best_fixed,oracle,linucb")
+                     "--methods", "naive,best_fixed,oracle,linucb,vote_k2")
     s = json.loads((out / "summary.json").read_text())
     det = json.loads((out / "detector.json").read_text())
     tau = det["threshold"]
@@ -517,10 +517,22 @@ def test_the_calibrated_gate_repairs_by_p_wrong(tmp_path, tiny_models, fever_fil
     assert all(r["p_wrong"] is not None and "q_ent_max" in r["detector_signals"] for r in naive.values())
     gated = {i for i, r in naive.items() if r["p_wrong"] >= tau}
     assert s["detection"]["flagged"] == len(gated)
-    for m in ("best_fixed", "oracle", "linucb"):
+    for m in ("best_fixed", "oracle", "linucb", "vote_k2"):
         for r in _records(out, m):
             if r["repaired"]:
                 assert r["id"] in gated, (m, r["id"])
+    # the vote: at most 2 arms, the delivered answer is the heaviest group's (first answer included)
+    votes = [r for r in _records(out, "vote_k2") if r["repaired"]]
+    assert votes and s["methods"]["vote_k2"]["repaired_share"] > 0
+    for r in votes:
+        v = r["vote"]
+        assert 1 <= len(v["arms"]) <= 2 and len(v["answers"]) == len(v["arms"]) + 1
+        totals = {}
+        for g, w in zip(v["groups"], v["weights"]):
+            totals[g] = totals.get(g, 0.0) + w
+        assert totals[v["groups"][v["winner"]]] == pytest.approx(max(totals.values()))
+        assert r["final_answer"] == v["answers"][v["winner"]]
+        assert r["kept"] == ("first" if v["winner"] == 0 else "repaired")
     # the oracle tries every allowed arm of every gated query; an un-gated one keeps its first answer
     oracle = _records(out, "oracle")
     assert all(not r["repaired"] for r in oracle if r["id"] not in gated)

@@ -29,6 +29,7 @@ from d2r_edge.eval.context import (
     ACCEPT_METHODS,
     FIXED_ARMS,
     POLICY_METHODS,
+    VOTE_METHODS,
     Context,
     EvalSettings,
     Method,
@@ -348,8 +349,8 @@ def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Co
         # every allowed arm of a failing query: on the test queries for the oracle and the arm
         # table, on the training queries for best_fixed; the policies pick among the same outcomes.
         every_arm = {q.id for q in ctx.test} if Method.ORACLE in s.methods or attempts is not None else set()
-        if Method.BEST_FIXED in s.methods or set(ACCEPT_METHODS) & set(s.methods):
-            # best_fixed's choice, and the accept/revert comparator's training pairs
+        if Method.BEST_FIXED in s.methods or set(ACCEPT_METHODS) & set(s.methods) or set(VOTE_METHODS) & set(s.methods):
+            # best_fixed's choice, the accept/revert comparator's training pairs, the vote's arm latencies
             every_arm |= {q.id for q in ctx.train}
         todo = [(q.text, q.id in every_arm) for q in ctx.train + ctx.test]
         compute(run, s, todo, ctx)

@@ -43,6 +43,9 @@ class Method(str, Enum):
     BEST_FIXED_ACCEPT = "best_fixed_accept"
     LINUCB_ACCEPT = "linucb_accept"
     THOMPSON_ACCEPT = "thompson_accept"
+    # a P(right)-weighted vote of the k cheapest allowed arms that fit the budget, the first answer included
+    VOTE_K2 = "vote_k2"
+    VOTE_K3 = "vote_k3"
 
 
 @dataclass(frozen=True)
@@ -67,11 +70,12 @@ POLICY_METHODS = {
     Method.THOMPSON_ACCEPT: PolicySpec("thompson", accept=True),
 }
 ACCEPT_METHODS = (Method.BEST_FIXED_ACCEPT, Method.LINUCB_ACCEPT, Method.THOMPSON_ACCEPT)
+VOTE_METHODS = {Method.VOTE_K2: 2, Method.VOTE_K3: 3}     # k arms per vote (d2r_edge.vote)
 # what `--methods` means when left out: every method that needs nothing beyond the run's flags (the
 # detector-reward policies need a detector the training queries can fit, the accept methods a comparator
-# fitted on every allowed arm of the training queries)
+# fitted on every allowed arm of the training queries, the votes a detector and those arms' latencies)
 DEFAULT_METHODS = tuple(m for m in Method if m not in (Method.LINUCB_DETECTOR, Method.THOMPSON_DETECTOR,
-                                                        *ACCEPT_METHODS))
+                                                        *ACCEPT_METHODS, *VOTE_METHODS))
 FIXED_ARMS = {Method.PARAPHRASE: "prompt_paraphrase", Method.EXPANSION: "dense_k20"}
 
 

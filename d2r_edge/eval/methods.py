@@ -19,12 +19,13 @@ from d2r_edge.accept import Comparator, Kept, pair_features
 from d2r_edge.config import Budget, RewardQuality
 from d2r_edge.detector import record_signals
 from d2r_edge.errors import InputError
-from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, Context, EvalQuery, Method, QueryFailed
+from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, VOTE_METHODS, Context, EvalQuery, Method, QueryFailed
 from d2r_edge.generate.openai_compat import GeneratorError
 from d2r_edge.pipeline import attempt_seconds
 from d2r_edge.repair import ARM_NAMES, ARMS
 from d2r_edge.runner import RecordLog
 from d2r_edge.signals import Entailment, FailureType
+from d2r_edge.vote import cheapest_fitting, tally
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,45 @@ def _oracle(ctx: Context, q: EvalQuery) -> dict:
         if key > best:
             best, choice = key, (final, int(arm), cost)
     return _record(ctx, q, Method.ORACLE, first, choice[0], choice[1], choice[2], ctx.pipeline.budget)
+
+
+def arm_latencies(ctx: Context) -> np.ndarray:
+    """Median measured latency of each arm over the gated training queries where it is allowed (nan:
+    never): what the vote methods rank arms by, as a live cost model would after those repairs."""
+    seen: list[list[float]] = [[] for _ in ARMS]
+    for q in ctx.train:
+        first = ctx.first(q)
+        if not ctx.repairs(first, training_query=q.text):
+            continue
+        for arm in np.flatnonzero(ctx.allowed(first)):
+            seen[arm].append(ctx.arm_outcome(q, int(arm))[1].latency_s)
+    return np.array([np.median(v) if v else np.nan for v in seen])
+
+
+def _vote(ctx: Context, q: EvalQuery, method: Method, arm_s: np.ndarray) -> dict:
+    """d2r_edge.vote over the stored outcomes: the k cheapest allowed arms that fit this query's budget,
+    weighted by 1 - the detector's P(wrong); the record's cost is the arms' summed latency."""
+    p = ctx.pipeline
+    first = ctx.first(q)
+    if not ctx.repairs(first):
+        return _record(ctx, q, method, first, first, None, None, p.budget)
+    fv = ctx.settings.task.fact_verification
+    spent_s = attempt_seconds(first)
+    predicted = np.where(np.isnan(arm_s), spent_s, arm_s)
+    arms = cheapest_fitting(ctx.allowed(first), predicted, VOTE_METHODS[method], p.budget.for_attempt(spent_s).latency_s)
+    if not arms:
+        return _record(ctx, q, method, first, first, None, None, p.budget)
+    outs = [ctx.arm_outcome(q, a) for a in arms]
+    attempts = [first] + [a for a, _ in outs]
+    weights = [1.0 - p.detector.assess(a, fv)[0] for a in attempts]
+    answers = [ctx.answer(a) for a in attempts]
+    ballot = tally(q.text, answers, weights, fv, getattr(p.diagnoser, "nli", None))
+    cost = replace(outs[0][1], latency_s=sum(c.latency_s for _, c in outs),
+                   mem_growth_mib=max(c.mem_growth_mib for _, c in outs))
+    arm = arms[ballot.winner - 1] if ballot.winner else arms[0]
+    return _record(ctx, q, method, first, attempts[ballot.winner], arm, cost, p.budget,
+                   {"kept": (Kept.REPAIRED if ballot.winner else Kept.FIRST).value,
+                    "vote": ballot.to_record(answers, [ARM_NAMES[a] for a in arms])})
 
 
 def arm_rewards(ctx: Context, queries: list[EvalQuery]) -> np.ndarray:
@@ -246,6 +286,13 @@ def run_method(ctx: Context, method: Method) -> list[dict]:
                 make = lambda q: _fixed(ctx, q, method, arm, accepting)  # noqa: E731
             elif method is Method.ORACLE:
                 make = lambda q: _oracle(ctx, q)  # noqa: E731
+            elif method in VOTE_METHODS:
+                if ctx.pipeline.detector is None:
+                    raise InputError(f"--methods {method.value} weights each answer by the detector's P(right), and "
+                                     "the training queries could not fit a detector (see the warning above): give "
+                                     "more --train queries or leave it out")
+                arm_s = arm_latencies(ctx)
+                make = lambda q: _vote(ctx, q, method, arm_s)  # noqa: E731
             else:
                 p = train_policy(ctx, method)
                 make = lambda q: _policy_record(ctx, p, q, method)  # noqa: E731
