@@ -224,14 +224,34 @@ class Pipeline:
         t["retrieve_s"] = time.perf_counter() - t0
         texts = [evidence_text(p, cfg.evidence_titles) for p in passages]
         t0 = time.perf_counter()
-        gen = self.generator.generate(self.task, cfg.prompt, query, texts,
-                                      sample=cfg == self.effective(self.default))
+        first_config = cfg == self.effective(self.default)
+        gen = self.generator.generate(self.task, cfg.prompt, query, texts, sample=first_config)
+        if first_config and getattr(self.generator, "self_check", False):
+            gen = self._self_check(query, texts, gen)
         t["generate_s"] = time.perf_counter() - t0
         if gen.samples:            # the self-consistency signal's share of generate_s (replayed or live)
             t["samples_s"] = gen.samples_s
         if gen.p_true_s:           # the self-check's share of generate_s
             t["p_true_s"] = gen.p_true_s
         return self._diagnosed(query, passages, texts, gen, t)
+
+    def _self_check(self, query: str, texts: list[str], gen: Generation) -> Generation:
+        """The first answer's P(True) from the same model (the detector's self_check signal, issue 53);
+        a failed request loses the signal, not the answer. Its time (a cached one's original time) is
+        part of the generation's."""
+        if self.task.fact_verification:
+            answer = gen.label.value if gen.label is not None else Label.NOT_ENOUGH_INFO.value
+        else:
+            answer = gen.response
+        t0 = time.perf_counter()
+        try:
+            p, took_s = self.generator.p_true(self.task, query, texts, answer)
+        except RECOVERABLE as exc:
+            log.warning("self-check of %r failed, P(True) missing: %s", query[:60], exc)
+            return gen
+        wall_s = time.perf_counter() - t0
+        # a replayed self-check (the evaluation's cache) counts the time the real request took
+        return replace(gen, p_true=p, p_true_s=took_s, replayed_s=gen.replayed_s + max(0.0, took_s - wall_s))
 
     def _diagnosed(self, query: str, passages: list[Passage], texts: list[str], gen: Generation,
                    t: dict[str, float]) -> Attempt:

@@ -4,10 +4,11 @@
   over True and False; a server without log-probabilities, or a reply where neither
   word is among the alternatives, leaves it missing (never 0.5);
 - the request reuses the answer prompt's passages and query, asks without JSON mode,
-  for one token; a failed self-check loses the signal, not the answer;
-- it travels through the generation cache and the attempt store, becomes the
-  detector's `self_check` group, and a cache row without it never answers a run
-  that asks for it.
+  for one token, for a query's first answer only; a failed self-check loses the
+  signal, not the answer;
+- it is cached as a row of its own beside the answers (a run adding it to cached
+  answers pays only for it), travels through the attempt store, and becomes the
+  detector's `self_check` group.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def test_p_true_normalizes_over_the_two_words_and_is_missing_without_them():
     assert p_true_from_top(None) is None
 
 
-def test_the_self_check_request_and_its_signal_through_cache_and_store(tmp_path):
+def test_the_self_check_request_and_its_cache_row(tmp_path):
     from d2r_edge.eval.outcomes import CachedGenerator
 
     with ScriptedServer() as srv:
@@ -53,8 +54,10 @@ def test_the_self_check_request_and_its_signal_through_cache_and_store(tmp_path)
         srv.replies += [(200, _answer('{"answer": "Paris"}')),
                         (200, _verdict([("False", math.log(0.7)), ("True", math.log(0.3))]))]
         cache = CachedGenerator(client, tmp_path / "g.jsonl")
-        g = cache.generate(Task.QA, PromptStyle.SIMPLE, "Where is the Louvre?", ["The Louvre is in Paris."])
-        assert g.response == "Paris" and g.p_true == pytest.approx(0.3) and g.p_true_s > 0
+        passages = ["The Louvre is in Paris."]
+        g = cache.generate(Task.QA, PromptStyle.SIMPLE, "Where is the Louvre?", passages)
+        p, took = cache.p_true(Task.QA, "Where is the Louvre?", passages, g.response)
+        assert g.response == "Paris" and p == pytest.approx(0.3) and took > 0 and cache.self_check
         ask = srv.seen[-1]
         assert ask["max_tokens"] == 1 and "response_format" not in ask and ask["top_logprobs"] >= 5
         user = ask["messages"][1]["content"]
@@ -63,27 +66,61 @@ def test_the_self_check_request_and_its_signal_through_cache_and_store(tmp_path)
         answer_user = srv.seen[-2]["messages"][1]["content"]
         assert user.split("Proposed answer")[0].strip() == answer_user.split("Answer with")[0].strip()
         cache.close()
-        again = CachedGenerator(client, tmp_path / "g.jsonl")          # replayed from the file, P(True) too
+        # both replayed from the file, the self-check with the time it took; the answer row is the one a
+        # run without the self-check reads (adding it to cached answers pays only for the self-check)
+        again = CachedGenerator(OpenAICompatible(srv.url, "m", max_retries=0, self_check=True), tmp_path / "g.jsonl")
         asked = len(srv.seen)
-        h = again.generate(Task.QA, PromptStyle.SIMPLE, "Where is the Louvre?", ["The Louvre is in Paris."])
-        assert len(srv.seen) == asked and h.p_true == pytest.approx(0.3)
+        h = again.generate(Task.QA, PromptStyle.SIMPLE, "Where is the Louvre?", passages)
+        assert again.p_true(Task.QA, "Where is the Louvre?", passages, "Paris") == (pytest.approx(0.3), took)
+        assert len(srv.seen) == asked and h.response == "Paris"
+        # another answer is another self-check
+        srv.replies += [(200, _verdict([("True", -0.1)]))]
+        assert again.p_true(Task.QA, "Where is the Louvre?", passages, "Lyon")[0] == 1.0
         again.close()
-        # a run without the self-check does not replay the row that has one, and vice versa
-        plain = CachedGenerator(OpenAICompatible(srv.url, "m", max_retries=0), tmp_path / "g.jsonl")
-        assert plain.sampled_identity != again.sampled_identity
-        plain.close()
-        # a self-check that fails loses the signal, not the answer
-        srv.replies += [(200, _answer('{"answer": "Rome"}')), (400, '{"error": "bad"}')]
-        r = client.generate(Task.QA, PromptStyle.SIMPLE, "q2", ["p"])
-        assert r.response == "Rome" and r.p_true is None
         # a server whose reply has no top alternatives: missing
-        srv.replies += [(200, _answer('{"answer": "Oslo"}')), (200, _verdict(None))]
-        assert client.generate(Task.QA, PromptStyle.SIMPLE, "q3", ["p"]).p_true is None
-        # repairs (sample=False) ask nothing more
-        srv.replies += [(200, _answer('{"answer": "Bern"}'))]
-        n = len(srv.seen)
-        assert client.generate(Task.QA, PromptStyle.SIMPLE, "q4", ["p"], sample=False).p_true is None
-        assert len(srv.seen) == n + 1
+        srv.replies += [(200, _verdict(None))]
+        assert client.p_true(Task.QA, "q3", ["p"], "Oslo")[0] is None
+
+
+class _Checked:
+    """A generator with a self-check that says P(True) 0.8, or fails."""
+
+    name = "stub"
+    self_check = True
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.asked = fail, []
+
+    def generate(self, task, style, query, passages, sample=True):
+        from d2r_edge.diagnose import Label
+        from d2r_edge.generate.base import Generation
+
+        return Generation("some text", Label.SUPPORTS, "raw")
+
+    def p_true(self, task, query, passages, answer):
+        from d2r_edge.generate.openai_compat import GeneratorError
+
+        self.asked.append(answer)
+        if self.fail:
+            raise GeneratorError("down")
+        return 0.8, 0.01
+
+
+def test_the_pipeline_asks_for_the_first_answer_only_and_survives_a_failed_self_check():
+    from dataclasses import replace
+
+    from test_gate import _pipeline
+
+    from d2r_edge.detector import Gate
+
+    p = replace(_pipeline(Gate.PAPER, None), generator=_Checked())
+    rec, first, final = p.run_attempts("wrong flagged", learn=False)
+    assert first.generation.p_true == 0.8 and p.generator.asked == ["SUPPORTS"]     # the label, not the text
+    assert final is not first and final.generation.p_true is None                   # the repair asks nothing
+    assert first.timings_s["p_true_s"] == 0.01
+    q = replace(_pipeline(Gate.PAPER, None), generator=_Checked(fail=True))
+    rec, first, _ = q.run_attempts("right clean", learn=False)
+    assert first.generation.p_true is None and rec["final_answer"] == "SUPPORTS"
 
 
 def test_the_detector_reads_p_true_as_its_own_missing_signal():

@@ -30,7 +30,7 @@ from d2r_edge.repair import PipelineConfig
 from d2r_edge.retrieval.retriever import Passage
 from d2r_edge.runner import RecordLog, read_records
 from d2r_edge.signals import Entailment, FailureType, KGStatus
-from d2r_edge.tasks import Task, self_check_sha256, template_sha256
+from d2r_edge.tasks import self_check_sha256, template_sha256
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,11 @@ def attempt_row_ok(chunks: list[dict]):
 
 
 def generation_row_ok(row: dict) -> bool:
-    """A validator of stored generator answers: the row replays as a Generation."""
+    """A validator of stored generator answers: the row replays as a Generation (or, a self-check row,
+    as a P(True))."""
+    if row.get("self_check") is True:
+        _p_true(row), float(row.get("latency_s") or 0.0)
+        return isinstance(row["key"], str)
     _label(row["label"]), _logprobs(row), _samples(row), _p_true(row)
     float(row.get("latency_s") or 0.0), float(row.get("samples_s") or 0.0), float(row.get("p_true_s") or 0.0)
     return isinstance(row["key"], str) and isinstance(row["response"], str) and isinstance(row["raw"], str)
@@ -189,11 +193,6 @@ class _RowLog:
     def close(self) -> None:
         if self._log is not None:
             self._log.close()
-
-
-def self_check_sha256_all() -> str:
-    """The self-check prompts of every task, hashed: a changed question is another request."""
-    return hashlib.sha256("".join(self_check_sha256(t) for t in Task).encode()).hexdigest()[:16]
 
 
 def _attempt_key(row: dict) -> tuple[str, str, bool]:
@@ -280,8 +279,6 @@ class CachedGenerator:
                     "max_tokens": getattr(inner, "max_tokens", None)}
         samples = ({"samples": inner.samples, "sample_temperature": inner.sample_temperature}
                    if getattr(inner, "samples", 0) else {})
-        if getattr(inner, "self_check", False):     # a row without P(True) must not answer a request for one
-            samples = {**samples, "self_check": self_check_sha256_all()}
         base = {"name": self.name, "served": self.served, **sampling}
         self.identity = json.dumps(base, sort_keys=True)
         self.sampled_identity = json.dumps({**base, **samples}, sort_keys=True) if samples else self.identity
@@ -333,8 +330,7 @@ class CachedGenerator:
             # metered cost stays the generator's cost (rows written before this have none)
             return Generation(row["response"], _label(row["label"]), row["raw"],
                               replayed_s=float(row.get("latency_s") or 0.0), logprobs=_logprobs(row),
-                              samples=_samples(row), samples_s=float(row.get("samples_s") or 0.0),
-                              p_true=_p_true(row), p_true_s=float(row.get("p_true_s") or 0.0))
+                              samples=_samples(row), samples_s=float(row.get("samples_s") or 0.0))
         return self._call(key, task, style, query, passages, sample)
 
     def _call(self, key: str, task, style, query: str, passages: list[str], sample: bool) -> Generation:
@@ -344,9 +340,27 @@ class CachedGenerator:
         self.add({"key": key, "response": gen.response, "label": gen.label.value if gen.label else None,
                   "raw": gen.raw, "latency_s": time.perf_counter() - t0,
                   "logprobs": None if gen.logprobs is None else list(gen.logprobs),
-                  **({"samples": list(gen.samples), "samples_s": gen.samples_s} if gen.samples is not None else {}),
-                  **({"p_true": gen.p_true, "p_true_s": gen.p_true_s} if gen.p_true_s > 0 else {})})
+                  **({"samples": list(gen.samples), "samples_s": gen.samples_s} if gen.samples is not None else {})})
         return gen
+
+    @property
+    def self_check(self) -> bool:
+        return bool(getattr(self.inner, "self_check", False))
+
+    def p_true(self, task, query: str, passages: list[str], answer: str) -> tuple[float | None, float]:
+        """The inner generator's self-check, kept on disk beside the answers (a row of its own, keyed by
+        the served model, the self-check prompt, the query, the passages and the answer): a run that adds
+        the self-check to cached answers pays only for the self-check."""
+        req = [self.identity, "self_check", self_check_sha256(task), task.value, query, passages, answer]
+        key = hashlib.sha256(json.dumps(req, ensure_ascii=False).encode()).hexdigest()
+        row = self._cache.get(key)
+        if row is not None:
+            self.hits += 1
+            return _p_true(row), float(row.get("latency_s") or 0.0)
+        self.calls += 1
+        p, took_s = self.inner.p_true(task, query, passages, answer)
+        self.add({"key": key, "self_check": True, "p_true": p, "latency_s": took_s})
+        return p, took_s
 
     def add(self, row: dict) -> None:
         if row["key"] in self._cache:

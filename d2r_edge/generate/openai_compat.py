@@ -357,26 +357,21 @@ class OpenAICompatible:
             t0 = time.perf_counter()
             drawn = tuple(self._sample(task, prompt, i) for i in range(self.samples))
             gen = replace(gen, samples=drawn, samples_s=time.perf_counter() - t0)
-        if self.self_check and sample:
-            t0 = time.perf_counter()
-            try:
-                p = self.p_true(task, query, kept, answer or "")
-            except GeneratorError as exc:       # a signal lost, not the answer: the detector sees it missing
-                log.warning("self-check at %s failed, P(True) missing for this answer: %s", self.where, exc)
-                p = None
-            gen = replace(gen, p_true=p, p_true_s=time.perf_counter() - t0)
         return gen
 
-    def p_true(self, task: Task, query: str, passages: list[str], answer: str) -> float | None:
-        """The model's P(True) that `answer` is right (Kadavath et al. 2022): one greedy token after the
-        self-check question, P(True) / (P(True) + P(False)) over its top log-probabilities. None when the
-        server gives no log-probabilities or neither word is among the top tokens (missing, not 0.5)."""
+    def p_true(self, task: Task, query: str, passages: list[str], answer: str) -> tuple[float | None, float]:
+        """(the model's P(True) that `answer` is right, the seconds the request took): Kadavath et al.
+        2022's self-check, one greedy token after the question, P(True) / (P(True) + P(False)) over the
+        first token's top log-probabilities. P(True) is None when the server gives no log-probabilities
+        or neither word is among the top tokens (missing, not 0.5). The pipeline asks it for a query's
+        first answer when `self_check` is set; a failed request raises GeneratorError."""
         if not self.logprobs:
-            return None
+            return None, 0.0
+        t0 = time.perf_counter()
         prompt = build_self_check(task, query, passages, answer)
         out = self.complete([{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}],
                             max_tokens=1, json_mode=False, temperature=0.0, top_logprobs=10)
-        return p_true_from_top(out.first_top)
+        return p_true_from_top(out.first_top), time.perf_counter() - t0
 
     def _sample(self, task: Task, prompt, i: int) -> str:
         """One more answer to the same prompt at `sample_temperature` (seed i: reproducible where the
