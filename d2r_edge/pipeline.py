@@ -336,7 +336,7 @@ class Pipeline:
             self._check_reward_detector()       # a missing detector is a setting, not one query's failure
             t_repair = time.perf_counter()
             try:
-                repair_fn = self._vote if self.vote_k else self._repair
+                repair_fn = self._vote_repair if self.vote_k else self._repair
                 rec["repair"], final = repair_fn(query, q_vec, first, allowed, learn, spent_s, p_wrong)
             except RECOVERABLE as exc:
                 # the repair pass failed (generator down, ...): the first answer stands, and says so
@@ -384,7 +384,7 @@ class Pipeline:
     def answer(self, a: Attempt) -> str:
         return delivered(a, self.task.fact_verification)
 
-    def _vote(self, query: str, q_vec: np.ndarray, first: Attempt, allowed: np.ndarray, learn: bool,
+    def _vote_repair(self, query: str, q_vec: np.ndarray, first: Attempt, allowed: np.ndarray, learn: bool,
               spent_s: float, p_wrong: float | None = None) -> tuple[dict, Attempt]:
         """d2r_edge.vote: the k cheapest allowed arms that fit the budget answer again; the P(right)-weighted
         vote over them and the first answer decides. No policy is consulted or updated."""
@@ -395,7 +395,8 @@ class Pipeline:
         predicted = self.costs.predict()[:, 0]
         predicted = np.where(np.isnan(predicted), own_s, predicted)
         # the vote is one repair action: its arms together stay within the action's budget
-        arms = cheapest_fitting(masked.allowed, predicted, self.vote_k, budget.latency_s)
+        arms = cheapest_fitting(masked.allowed, predicted, self.vote_k, budget.latency_s) or \
+            cheapest_fitting(allowed, predicted, 1, float("inf"))
         select_s = time.perf_counter() - t0
         fv = self.task.fact_verification
         if p_wrong is None:
