@@ -267,28 +267,23 @@ def _settings(args: argparse.Namespace):
         qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages, gate=Gate(args.gate),
         detector_path=_detector(args), accept_path=_existing(getattr(args, "accept", None), "--accept"),
         unverified_rule=not args.no_unverified_rule,
-        trust_path=_trust(args), abstain_text=_abstain(args), vote_k=args.vote,
+        trust_path=_existing(getattr(args, "trust", None), "--trust", TRUST_HINT), abstain_text=_abstain(args),
+        vote_k=args.vote,
         nli_cache_pairs=args.nli_cache_pairs,
         parallel_requests=getattr(args, "parallel", 1), micro_batch_pairs=getattr(args, "micro_batch_pairs", 0),
         micro_batch_wait_ms=getattr(args, "micro_batch_wait_ms", 2.0), response_nli=args.response_nli)
 
 
-def _existing(path: str | None, flag: str) -> Path | None:
+ACCEPT_HINT = "`d2r-edge eval answers` with an *_accept method writes one (comparator.json in its --out)"
+TRUST_HINT = "`d2r-edge calibrate --records R.jsonl --detector D.json --target-error E --out FILE` writes one"
+
+
+def _existing(path: str | None, flag: str, hint: str = ACCEPT_HINT) -> Path | None:
+    """`path` as a Path when given; a missing file is refused, with how to make one."""
     if path is None:
         return None
     if not Path(path).is_file():
-        raise InputError(f"no file at {path} ({flag}); `d2r-edge eval answers` with an *_accept method writes "
-                         f"one (comparator.json in its --out)")
-    return Path(path)
-
-
-def _trust(args: argparse.Namespace) -> Path | None:
-    path = getattr(args, "trust", None)
-    if path is None:
-        return None
-    if not Path(path).is_file():
-        raise InputError(f"no trust certificate at {path} (--trust); `d2r-edge calibrate --records R.jsonl "
-                         f"--detector D.json --target-error E --out {path}` writes one")
+        raise InputError(f"no file at {path} ({flag}){'; ' + hint if hint else ''}")
     return Path(path)
 
 
@@ -370,19 +365,15 @@ def _check_detector(settings) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from d2r_edge.detector import Detector, query_hash
     from d2r_edge.runner import read_records, run_record_ok
-    from d2r_edge.selective import Certificate, certify, file_sha256, labeled_scores
+    from d2r_edge.selective import certify, file_sha256, labeled_scores
 
-    det_path = Path(args.detector)
-    if not det_path.is_file():
-        raise InputError(f"no detector file at {det_path} (--detector)")
+    det_path = _existing(args.detector, "--detector", "")
     from d2r_edge.tasks import Task
 
     det = Detector.load(det_path, Task(args.task).fact_verification)
     records = []
     for path in args.records:
-        if not Path(path).is_file():
-            raise InputError(f"no records file at {path} (--records)")
-        records += read_records(Path(path), run_record_ok)
+        records += read_records(_existing(path, "--records", ""), run_record_ok)
     scores, wrong, counts = labeled_scores(
         records, det.p_wrong_of_signals, frozenset(det.fit_stats.get("training_queries_sha256_16") or ()),
         query_hash)

@@ -375,11 +375,16 @@ class Pipeline:
 
     def fits_deadline(self, allowed: np.ndarray, left_s: float, first: Attempt) -> tuple[np.ndarray, float]:
         """(allowed arms predicted to finish within `left_s`, the cheapest prediction among them)."""
-        predicted = self.costs.predict()[:, 0]
-        own_s = sum(first.timings_s.get(k, 0.0) for k in STAGES if k != "embed_query_s")
-        predicted = np.where(np.isnan(predicted), own_s, predicted)
+        predicted = self.predicted_s(first)
         cheapest = float(predicted[allowed].min()) if allowed.any() else float("inf")
         return allowed & (predicted <= left_s), cheapest
+
+    def predicted_s(self, first: Attempt) -> np.ndarray:
+        """Each arm's predicted latency: the cost model's, or for an arm it has not measured yet, the first
+        attempt's own time (a repair is one more retrieve-generate-diagnose)."""
+        own_s = sum(first.timings_s.get(k, 0.0) for k in STAGES if k != "embed_query_s")
+        predicted = self.costs.predict()[:, 0]
+        return np.where(np.isnan(predicted), own_s, predicted)
 
     def answer(self, a: Attempt) -> str:
         return delivered(a, self.task.fact_verification)
@@ -391,9 +396,7 @@ class Pipeline:
         t0 = time.perf_counter()
         budget = self.budget.for_attempt(spent_s)
         masked = self.costs.mask(budget, allowed)
-        own_s = sum(first.timings_s.get(k, 0.0) for k in STAGES if k != "embed_query_s")
-        predicted = self.costs.predict()[:, 0]
-        predicted = np.where(np.isnan(predicted), own_s, predicted)
+        predicted = self.predicted_s(first)
         # the vote is one repair action: its arms together stay within the action's budget
         arms = cheapest_fitting(masked.allowed, predicted, self.vote_k, budget.latency_s) or \
             cheapest_fitting(allowed, predicted, 1, float("inf"))

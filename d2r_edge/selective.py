@@ -251,8 +251,11 @@ def certify(scores, wrong, epsilon: float, delta: float = DELTA, score: str = "c
 
 def applied(cert: Certificate, scores, wrong) -> dict:
     """What a certificate does on labeled queries it was not calibrated on: coverage, error among trusted."""
-    s, y = _checked(scores, wrong)
-    keep = s <= cert.threshold
+    return _at(cert.threshold, *_checked(scores, wrong))
+
+
+def _at(threshold: float, s: np.ndarray, y: np.ndarray) -> dict:
+    keep = s <= threshold
     n = int(keep.sum())
     return {"n": int(len(s)), "trusted": n, "coverage": n / len(s) if len(s) else 0.0,
             "errors": int(y[keep].sum()), "error": float(y[keep].mean()) if n else None}
@@ -301,8 +304,7 @@ def resplit_check(scores, wrong, epsilons=EPSILONS, delta: float = DELTA, splits
                 out[e]["refused"] += 1
                 out[e]["coverage"].append(0.0)
                 continue
-            got = applied(Certificate(score, e, delta, float(grid[best]), len(cal), 0, 0, 0.0, 1.0),
-                          s[test], y[test])
+            got = _at(float(grid[best]), s[test], y[test])
             out[e]["coverage"].append(got["coverage"])
             if got["error"] is not None:
                 out[e]["error"].append(got["error"])

@@ -287,6 +287,25 @@ class StubGenerator:
         return Generation("some text", Label.SUPPORTS, "raw")
 
 
+class ScoreByCall:
+    """A retriever of one passage whose score (what top_score_detector reads) is `score(query, n)` on
+    the query's n-th retrieval (1: the first attempt, later: repairs)."""
+
+    kb = None
+
+    def __init__(self, score) -> None:
+        self.score, self.calls = score, {}
+
+    def embed(self, query):
+        return np.ones(4)
+
+    def retrieve(self, query, cfg, query_vec=None):
+        from d2r_edge.retrieval.retriever import Passage
+
+        self.calls[query] = self.calls.get(query, 0) + 1
+        return [Passage(0, "d0", "T", "some text", float(self.score(query, self.calls[query])))]
+
+
 def top_score_detector():
     """A FEVER detector that reads only the top retrieval score: 3 -> P(wrong) ~ 0.99, 1 -> ~ 0.01."""
     from d2r_edge.detector import Detector, feature_names

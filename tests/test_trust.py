@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 import pytest
-from stand_ins import StubGenerator, top_score_detector
+from stand_ins import ScoreByCall, StubGenerator, top_score_detector
 
 from d2r_edge.budget import CostModel, MemoryProbe, Meter
 from d2r_edge.cli import main
@@ -26,28 +26,15 @@ from d2r_edge.pipeline import Pipeline
 from d2r_edge.policy import LinUCB
 from d2r_edge.policy.features import ContextBuilder
 from d2r_edge.repair import ARM_NAMES
-from d2r_edge.retrieval.retriever import Passage
 from d2r_edge.selective import Certificate, file_sha256
 from d2r_edge.signals import Entailment, FailureType, KGStatus
 from d2r_edge.tasks import Task
 
 
-class _Retriever:
+def _retriever() -> ScoreByCall:
     """The query's words set the top score the detector reads: "wrong" -> P(wrong) ~ 0.99; the repair
     (the second retrieval) of a "fixable" query finds a passage the detector trusts."""
-
-    kb = None
-
-    def __init__(self) -> None:
-        self.calls: dict[str, int] = {}
-
-    def embed(self, query):
-        return np.ones(4)
-
-    def retrieve(self, query, cfg, query_vec=None):
-        self.calls[query] = self.calls.get(query, 0) + 1
-        wrong = "wrong" in query and (self.calls[query] == 1 or "fixable" not in query)
-        return [Passage(0, "d0", "T", "some text", 3.0 if wrong else 1.0)]
+    return ScoreByCall(lambda q, n: 3.0 if "wrong" in q and (n == 1 or "fixable" not in q) else 1.0)
 
 
 class _Diagnoser:
@@ -63,7 +50,7 @@ def _cert(threshold: float = 0.5) -> Certificate:
 
 def _pipeline(trust=None, abstain_text=None, detector="default") -> Pipeline:
     ctx = ContextBuilder(ContextConfig(embedding_dim=4, query_dim=None))
-    return Pipeline(task=Task.FEVER, retriever=_Retriever(), generator=StubGenerator(), diagnoser=_Diagnoser(),
+    return Pipeline(task=Task.FEVER, retriever=_retriever(), generator=StubGenerator(), diagnoser=_Diagnoser(),
                     policy=LinUCB(len(ARM_NAMES), ctx.dim, 2.0), context=ctx, costs=CostModel(len(ARM_NAMES)),
                     meter=Meter(MemoryProbe(prefer_device=False)), gate=Gate.PAPER,
                     detector=top_score_detector() if detector == "default" else detector,

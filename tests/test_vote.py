@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from stand_ins import top_score_detector
+from stand_ins import ScoreByCall, top_score_detector
 
 from d2r_edge.budget import CostModel, MemoryProbe, Meter
 from d2r_edge.config import Budget, ContextConfig
@@ -16,7 +16,6 @@ from d2r_edge.pipeline import Pipeline
 from d2r_edge.policy import LinUCB
 from d2r_edge.policy.features import ContextBuilder
 from d2r_edge.repair import ARM_NAMES
-from d2r_edge.retrieval.retriever import Passage
 from d2r_edge.signals import Entailment, FailureType, KGStatus
 from d2r_edge.tasks import Task
 from d2r_edge.vote import cheapest_fitting, tally
@@ -48,22 +47,6 @@ def test_the_cheapest_arms_that_fit_the_budget_together():
     assert cheapest_fitting(np.zeros(4, dtype=bool), predicted, 2, 9.0) == []
 
 
-class _Retriever:
-    """The first retrieval of a query scores 3 (the detector's P(wrong) ~ 0.99), every later one 1 (~ 0.01)."""
-
-    kb = None
-
-    def __init__(self) -> None:
-        self.calls: dict[str, int] = {}
-
-    def embed(self, query):
-        return np.ones(4)
-
-    def retrieve(self, query, cfg, query_vec=None):
-        self.calls[query] = self.calls.get(query, 0) + 1
-        return [Passage(0, "d0", "T", "some text", 3.0 if self.calls[query] == 1 else 1.0)]
-
-
 class _Generator:
     """SUPPORTS on the first attempt, REFUTES on every repair."""
 
@@ -82,7 +65,9 @@ class _Diagnoser:
 
 def _pipeline(vote_k: int, detector="default") -> Pipeline:
     ctx = ContextBuilder(ContextConfig(embedding_dim=4, query_dim=None))
-    return Pipeline(task=Task.FEVER, retriever=_Retriever(), generator=_Generator(), diagnoser=_Diagnoser(),
+    # the first retrieval scores 3 (P(wrong) ~ 0.99), every repair's 1 (~ 0.01)
+    return Pipeline(task=Task.FEVER, retriever=ScoreByCall(lambda q, n: 3.0 if n == 1 else 1.0),
+                    generator=_Generator(), diagnoser=_Diagnoser(),
                     policy=LinUCB(len(ARM_NAMES), ctx.dim, 2.0), context=ctx, costs=CostModel(len(ARM_NAMES)),
                     meter=Meter(MemoryProbe(prefer_device=False)), gate=Gate.PAPER,
                     detector=top_score_detector() if detector == "default" else detector,
