@@ -18,7 +18,7 @@ from d2r_edge.generate.registry import Encoders, build_generator
 from d2r_edge.hypothesis import HypothesisForm
 from d2r_edge.kg.check import KGChecker
 from d2r_edge.kg.store import KG_DIR, TripleStore
-from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
+from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder, Reader
 from d2r_edge.onnx.manifest import Role, Variant, load_manifest
 from d2r_edge.onnx.session import SessionConfig, on_cuda
 from d2r_edge.onnx.sharing import MicroBatcher, PairCache
@@ -183,6 +183,9 @@ def build_pipeline(s: RunSettings) -> Pipeline:
         nli = PairCache(nli, s.nli_cache_pairs)       # the generator and the diagnosis share its scores
     reranker = (CrossEncoder(manifest, variant=s.variant, session=session, allow_random_weights=allow)
                 if manifest.has(Role.RERANKER) else None)
+    # QA's independent answer check (issue 53); FEVER's claims are not questions
+    reader = (Reader(manifest, variant=s.variant, session=session, allow_random_weights=allow)
+              if manifest.has(Role.READER) and not s.task.fact_verification else None)
     kb = KnowledgeBase.open(s.kb, embedder)
     extractor, store = None, TripleStore.from_triples([], embedder)
     if manifest.has(Role.TRIPLES):
@@ -208,13 +211,14 @@ def build_pipeline(s: RunSettings) -> Pipeline:
 
     embedder.warmup()
     arms = arm_availability(manifest.roles, manifest.absent,
-                            samples=s.self_consistency if s.generator == "openai" else 0)
+                            samples=s.self_consistency if s.generator == "openai" else 0,
+                            fact_verification=s.task.fact_verification)
     if s.parallel_requests > 1:
         arms = without_refresh(arms)
     for name, why in arms.unavailable.items():
         log.info("arm %s is off: %s", name, why)
     return Pipeline(task=s.task, retriever=Retriever(kb, embedder, reranker), generator=generator,
-                    diagnoser=Diagnoser(nli, kg, s.qa_hypothesis, s.effective_response_nli), policy=policy,
+                    diagnoser=Diagnoser(nli, kg, s.qa_hypothesis, s.effective_response_nli, reader), policy=policy,
                     context=context, costs=costs,
                     meter=Meter(MemoryProbe(prefer_device=on_cuda(nli.session))), budget=s.budget,
                     reward_cfg=s.reward,

@@ -661,10 +661,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="heldout", choices=["heldout", "fit", "all"],
                    help="which queries of the files: heldout = never seen by the offline models' "
                         "fine-tuning (default), fit = the side they trained on, all")
+    from d2r_edge.eval.context import ACCEPT_METHODS, DEFAULT_METHODS, VOTE_METHODS
+
     p.add_argument("--methods", default=None, help="comma-separated (default: all): " + ", ".join(
-        ["naive", "paraphrase", "expansion", "best_fixed", "linucb", "thompson", "oracle",
-         "linucb_unweighted", "linucb_unconstrained", "linucb_stringent", "linucb_relaxed"]) +
-        "; also linucb_detector, thompson_detector (reward from the calibrated detector, not in the default)")
+        m.value for m in DEFAULT_METHODS) + "; also linucb_detector, thompson_detector (reward from the calibrated "
+        "detector), " + ", ".join(m.value for m in ACCEPT_METHODS) + " (accept or revert each repair by the "
+        "comparator fitted on the training queries' outcomes) and " + ", ".join(m.value for m in VOTE_METHODS) +
+        " (a P(right)-weighted vote of the k cheapest arms that fit the budget), not in the default")
     p.add_argument("--extra-docs", action="append", default=[], metavar="FILE",
                    help="more KB documents (JSONL id, title, text), e.g. distractors")
     p.add_argument("--epochs", type=int, default=2, help="policy training passes (paper: 2)")

@@ -19,6 +19,9 @@ Newton steps with an L2 penalty on standardized features) over
 - the self-check (issue 53, `--self-check`): the same model's P(True) that its
   answer is correct, asked in one more request (Kadavath et al. 2022);
   missing (NaN) where not asked or not readable;
+- QA, the independent reader (issue 53, a profile with a `reader` role): its
+  span's confidence, whether it found no answer, and its exact match and token
+  F1 with the generator's answer; missing (NaN) without a reader;
 - the generator's own confidence: the log-probability of the answer's first
   token (where a FEVER label's decision sits), their sum and their minimum,
   where the server returns them (OpenAI-compatible `logprobs`). Not the mean:
@@ -60,7 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
-from d2r_edge.answers import FEVER_CLASSES, normalize_answer
+from d2r_edge.answers import FEVER_CLASSES, exact_match, normalize_answer, token_f1
 from d2r_edge.errors import ConfigError
 from d2r_edge.signals import KGStatus
 
@@ -72,8 +75,9 @@ _COMMON = ("q_ent_max", "q_con_max", "q_neu_min", "q_ent_mean", "q_con_mean", "q
            "sc_agreement", "sc_clusters", "sc_entropy", "self_check_p_true")
 REFIT = "refit it (d2r-edge train --gate calibrated, or d2r-edge eval answers)"
 # NaN when the generator gave no log-probabilities (imputed at scoring time, see the module docstring)
+READER_FEATURES = ("reader_confidence", "reader_no_answer", "reader_em", "reader_f1")
 MAY_BE_MISSING = ("gen_logprob_first", "gen_logprob_sum", "gen_logprob_min", "sc_agreement", "sc_clusters",
-                  "sc_entropy", "self_check_p_true")
+                  "sc_entropy", "self_check_p_true", *READER_FEATURES)
 L2_GRID = (0.1, 1.0, 10.0, 100.0, 1000.0)     # candidates for the penalty, chosen by out-of-fold log-loss
 
 
@@ -90,7 +94,7 @@ def _label_feature(label: str) -> str:
 
 def feature_names(fact_verification: bool) -> tuple[str, ...]:
     extra = tuple(map(_label_feature, FEVER_CLASSES)) if fact_verification \
-        else ("qa_answer_in_passage", "qa_answer_token_recall")
+        else ("qa_answer_in_passage", "qa_answer_token_recall", *READER_FEATURES)
     return _COMMON + extra
 
 
@@ -104,6 +108,7 @@ def feature_groups(fact_verification: bool) -> dict[str, tuple[str, ...]]:
               "log_probs": tuple(n for n in names if n.startswith("gen_")),
               "self_consistency": tuple(n for n in names if n.startswith("sc_")),
               "self_check": ("self_check_p_true",),
+              "reader": tuple(n for n in names if n.startswith("reader_")),
               "answer": tuple(n for n in names if n == "answer_len_log" or n.startswith("label_"))}
     return groups
 
@@ -159,7 +164,16 @@ def features(attempt, fact_verification: bool) -> dict[str, float]:
         out["qa_answer_in_passage"] = float(bool(needle) and any(f" {needle} " in f" {t} " for t in texts))
         out["qa_answer_token_recall"] = max((sum(t in set(p.split()) for t in toks) / len(toks) for p in texts),
                                             default=0.0) if toks else 0.0
+        out.update(reader_signals(getattr(d, "reader", None), answer))
     return out
+
+
+def reader_signals(span: dict | None, answer: str) -> dict[str, float]:
+    """The reader's agreement with the generator's answer (all NaN without a reader's span)."""
+    if span is None:
+        return {n: math.nan for n in READER_FEATURES}
+    return {"reader_confidence": float(span["confidence"]), "reader_no_answer": float(span["no_answer"]),
+            "reader_em": exact_match(span["text"], [answer]), "reader_f1": token_f1(span["text"], [answer])}
 
 
 def record_signals(signals: dict[str, float]) -> dict[str, float | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -45,6 +46,7 @@ class Diagnosis:
     passage_probs_q: list = field(default_factory=list)   # per passage: {label: prob}
     passage_probs_r: list = field(default_factory=list)   # ... None where ResponseNLI.UNTIL_ENTAILED skipped it
     consistency: dict | None = None   # self-consistency signals (d2r_edge.consistency); None: no samples
+    reader: dict | None = None        # QA: the reader's span of the passages (Span.to_json + its seconds)
 
     @property
     def unverified(self) -> bool:
@@ -111,8 +113,9 @@ class Diagnoser:
     """
 
     def __init__(self, nli, kg_checker, qa_hypothesis: HypothesisForm = HypothesisForm.STATEMENT,
-                 response_nli: ResponseNLI = ResponseNLI.ALL) -> None:
+                 response_nli: ResponseNLI = ResponseNLI.ALL, reader=None) -> None:
         self.nli, self.kg = nli, kg_checker
+        self.reader = reader          # QA: an independent extractive reader (onnx.encoders.Reader), or None
         self.qa_hypothesis = HypothesisForm(qa_hypothesis)
         self.response_nli = ResponseNLI(response_nli)
         self.labels = [Entailment(name.lower()) for name in nli.labels]
@@ -146,7 +149,16 @@ class Diagnoser:
                               for row in m]
         greedy = (label.value if label is not None else "NOT ENOUGH INFO") if fact_verification else response
         sc = consistency_signals(query, greedy, samples, fact_verification, self.nli) if samples else None
-        return Diagnosis(failure, e_q, e_r, kg, label, gated, as_dicts(pq), as_dicts(pr), sc)
+        return Diagnosis(failure, e_q, e_r, kg, label, gated, as_dicts(pq), as_dicts(pr), sc,
+                         None if fact_verification else self._read(query, passages))
+
+    def _read(self, query: str, passages: list[str]) -> dict | None:
+        """The reader's answer to the query from the passages, what it took; None without a reader."""
+        if self.reader is None:
+            return None
+        t0 = time.perf_counter()
+        span = self.reader.read(query, passages)
+        return None if span is None else {**span.to_json(), "seconds": time.perf_counter() - t0}
 
     def _until_entailed(self, passages: list[str], hyp: str) -> np.ndarray:
         """(passage, response) probabilities, NaN rows for the pairs not scored: one pair at a time, the

@@ -56,6 +56,7 @@ class Attempt:
                 "e_r": d.e_r.value, "kg": d.kg.value, "nli_q": d.passage_probs_q, "nli_r": d.passage_probs_r,
                 **({"samples": list(self.generation.samples), "consistency": d.consistency}
                    if self.generation.samples else {}),
+                **({"reader": {k: v for k, v in d.reader.items() if k != "seconds"}} if d.reader else {}),
                 "timings_s": self.timings_s}
 
 
@@ -213,6 +214,8 @@ class Pipeline:
         again); a voting config (`majority`) reads them from `first` (or the memo) and generates nothing."""
         if cfg.majority:
             return self._vote(query, cfg, query_vec, first)
+        if cfg.reader_answer:
+            return self._read(query, cfg, query_vec, first)
         t = {}
         t0 = time.perf_counter()
         if cfg.refresh and self.refresh is not None:
@@ -260,6 +263,8 @@ class Pipeline:
         extra = {"samples": gen.samples} if gen.samples else {}      # (stand-in diagnosers take none)
         diag = self.diagnoser.diagnose(query, texts, gen.response, gen.label, self.task.fact_verification, **extra)
         t["diagnose_s"] = time.perf_counter() - t0
+        if diag.reader is not None:        # the reader's share of diagnose_s
+            t["reader_s"] = float(diag.reader.get("seconds", 0.0))
         return Attempt(passages, gen, diag, t)
 
     def _vote(self, query: str, cfg: PipelineConfig, query_vec: np.ndarray | None, first: Attempt | None) -> Attempt:
@@ -276,6 +281,21 @@ class Pipeline:
         winner = majority(query, greedy, g.samples, fv, nli) if g.samples else greedy
         gen = Generation(response=g.response if fv else winner, label=Label.parse(winner) if fv else None,
                          raw=g.raw, logprobs=g.logprobs if winner == greedy else None, samples=g.samples)
+        t["generate_s"] = time.perf_counter() - t0
+        texts = [evidence_text(p, cfg.evidence_titles) for p in first.passages]
+        return self._diagnosed(query, list(first.passages), texts, gen, t)
+
+    def _read(self, query: str, cfg: PipelineConfig, query_vec: np.ndarray | None, first: Attempt | None) -> Attempt:
+        """The `reader_span` arm (issue 53): the first attempt's passages, answered with the span the
+        reader read there (its diagnosis holds it), then diagnosed again. Where the reader found no
+        answer (its no-answer score won, or it read nothing) the answer is the first one, unchanged."""
+        if first is None:
+            first = self.metered_attempt(query, replace(cfg, reader_answer=False), query_vec, metered=False)[0]
+        t = {"refresh_s": 0.0, "retrieve_s": 0.0}
+        t0 = time.perf_counter()
+        g, span = first.generation, first.diagnosis.reader
+        text = span["text"] if span and not span["no_answer"] and span["text"] else None
+        gen = g if text is None else Generation(response=text, label=None, raw=text)
         t["generate_s"] = time.perf_counter() - t0
         texts = [evidence_text(p, cfg.evidence_titles) for p in first.passages]
         return self._diagnosed(query, list(first.passages), texts, gen, t)

@@ -41,6 +41,8 @@ class PipelineConfig:
     # answer with the majority of the first attempt's greedy answer and its self-consistency
     # samples (d2r_edge.consistency.majority) instead of generating again
     majority: bool = False
+    # answer with the span the reader read from the first attempt's passages (issue 53), no generation
+    reader_answer: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Arm:
     prompt: PromptStyle | None = None
     second_hop: int = 0
     majority: bool = False                      # vote among the first attempt's samples
+    reader_answer: bool = False                 # the reader's span of the first attempt's passages
     requires: frozenset[Role] = frozenset()     # model roles the arm cannot run without
 
     @property
@@ -69,7 +72,7 @@ class Arm:
             # rerank the default candidate pool down to its top 3 (paper setting)
             r = r.with_(rerank=True)
         return replace(cfg, retrieval=r, prompt=self.prompt or cfg.prompt, refresh=self.refresh,
-                       majority=self.majority)
+                       majority=self.majority, reader_answer=self.reader_answer)
 
 
 ARMS: tuple[Arm, ...] = tuple(
@@ -87,7 +90,10 @@ ARMS: tuple[Arm, ...] = tuple(
        Arm("prompt_extract", prompt=PromptStyle.EXTRACT),
        # the most common answer among the first attempt's greedy answer and its self-consistency
        # samples: no generation at all (needs --self-consistency N >= 2)
-       Arm("sample_majority", majority=True)]
+       Arm("sample_majority", majority=True),
+       # ours (issue 53), QA: the independent reader's span where it found one in the first attempt's
+       # passages; no generation at all
+       Arm("reader_span", reader_answer=True, requires=frozenset({Role.READER}))]
 )
 MIN_VOTE_SAMPLES = 2     # with one sample a tie always goes to the greedy answer: the arm could not change it
 ARM_NAMES = [a.name for a in ARMS]
@@ -115,11 +121,12 @@ class ArmAvailability:
 
 
 def arm_availability(roles: Iterable[Role], absent: Mapping[Role, str] | None = None,
-                     samples: int = 0) -> ArmAvailability:
+                     samples: int = 0, fact_verification: bool = False) -> ArmAvailability:
     """The one place that decides which arms can run with the loaded model roles and generator.
 
     `absent`: the manifest's reasons for roles it does not have (shown to the user); `samples`: the
-    generator's self-consistency samples per first answer (the voting arm needs >= 2)."""
+    generator's self-consistency samples per first answer (the voting arm needs >= 2);
+    `fact_verification`: the reader answers questions, not claims, so its arm is off for FEVER."""
     have, absent = frozenset(roles), dict(absent or {})
     mask, why = np.ones(len(ARMS), dtype=bool), {}
     for i, arm in enumerate(ARMS):
@@ -127,6 +134,10 @@ def arm_availability(roles: Iterable[Role], absent: Mapping[Role, str] | None = 
             mask[i] = False
             why[arm.name] = (f"no self-consistency samples to vote among (the generator draws {samples}; "
                              f"give an LLM generator --self-consistency N with N >= {MIN_VOTE_SAMPLES})")
+            continue
+        if arm.reader_answer and fact_verification:
+            mask[i] = False
+            why[arm.name] = "the reader answers questions with a span; a claim's label is not one"
             continue
         missing = sorted(arm.requires - have, key=lambda r: r.value)
         if missing:

@@ -211,9 +211,12 @@ def spread(rows: list, n: int | None) -> list:
 
 
 def limit_heldout(sets, n: int | None):
-    """The held-out parts of `PairSets`, each cut to `n` rows by `spread`; training parts untouched."""
+    """The held-out parts of `PairSets` (or the reader's `ReaderSets`), each cut to `n` rows by `spread`;
+    training parts untouched."""
     if n is None:
         return sets
+    if hasattr(sets, "val"):
+        return replace(sets, val=spread(sets.val, n))
     general = sets.general
     if general is not None:
         general = replace(general, heldout={g: spread(rows, n) for g, rows in general.heldout.items()})
@@ -330,7 +333,8 @@ def run_export(req: ExportRequest) -> Path:
     calibration = load_parity_set(req.data_dir, n_pairs=min(CALIBRATION_PAIRS, req.heldout_limit or CALIBRATION_PAIRS),
                                   skip_heldout=True).pairs
     for role, src in resolved.items():
-        if role not in (Role.NLI, Role.RERANKER) or Variant.INT8.value not in manifest["roles"][role.value]["variants"]:
+        if (role not in (Role.NLI, Role.RERANKER, Role.READER)
+                or Variant.INT8.value not in manifest["roles"][role.value]["variants"]):
             continue
         if src.random_weights:
             # a random head's logits nearly tie, so int8 noise flips its labels whatever the
@@ -351,7 +355,8 @@ def run_export(req: ExportRequest) -> Path:
         if role is Role.TRIPLES:
             figs = parity.seq2seq_parity(loaded, src.directory, data, variants)
         else:
-            figs = parity.encoder_parity(loaded, role, SPECS[role], src.directory, data, variants)
+            figs = parity.encoder_parity(loaded, role, SPECS[role], src.directory, data, variants,
+                                         random_weights=src.random_weights)
         manifest["roles"][role.value]["parity"] = figs
         log.info("parity %s: %s (%.1f s)", role.value, json.dumps(figs), time.perf_counter() - t0)
     for role, src in resolved.items():
@@ -360,10 +365,17 @@ def run_export(req: ExportRequest) -> Path:
             from d2r_edge_export.finetune_data import build_pairs
 
             ts = src.training["settings"]   # the held-out sets depend on neither
-            general = ts.get("nli_general_sources") if role is Role.NLI and ts.get("nli_general_epochs") else None
-            sets = build_pairs(Path(req.data_dir or parity.DEFAULT_DATA_DIR), ts["max_train_pairs"], ts["seed"],
-                               general_sources=general)     # FEVER-train pairs never enter the held-out sets
-            check = finetune_eval.validate_nli if role is Role.NLI else finetune_eval.validate_reranker
+            data_dir = Path(req.data_dir or parity.DEFAULT_DATA_DIR)
+            if role is Role.READER:
+                from d2r_edge_export.reader_data import build_reader_sets
+
+                sets = build_reader_sets(data_dir, tuple(ts.get("exclude_files") or ()), ts["seed"])
+                check = finetune_eval.validate_reader
+            else:
+                general = ts.get("nli_general_sources") if role is Role.NLI and ts.get("nli_general_epochs") else None
+                sets = build_pairs(data_dir, ts["max_train_pairs"], ts["seed"],
+                                   general_sources=general)     # FEVER-train pairs never enter the held-out sets
+                check = finetune_eval.validate_nli if role is Role.NLI else finetune_eval.validate_reranker
             entry = manifest["roles"][role.value]
             entry["training"] = src.training
             entry["validation"] = {**check(loaded, limit_heldout(sets, req.heldout_limit)),

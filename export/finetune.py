@@ -74,6 +74,13 @@ class FinetuneSettings:
     # evaluation may test on every question of them (`eval answers --split all`), not only on
     # the ~20% held-out side. Recorded in the manifest (each role's training.split)
     exclude_files: tuple[str, ...] = ()
+    # the reader (issue 53): MiniLM with a span head on the QA samples' questions (export/reader_data.py),
+    # each positive passage with `reader_negatives` no-answer passages of the same question
+    reader_epochs: int = 3
+    reader_learning_rate: float = 5e-5
+    reader_batch_size: int = 16
+    reader_max_length_tokens: int = 256     # question + passage: multi-hop paragraphs run to ~200 tokens
+    reader_negatives: int = 1
 
     def __post_init__(self) -> None:
         if self.nli_bf16 not in ("off", "on", "auto"):
@@ -103,6 +110,8 @@ class FinetuneSettings:
 
         The NLI chain: [reranker ->] nli_general -> nli when the general stage is on.
         """
+        if role == "reader":
+            return None
         if role == "nli" and self.nli_general_epochs > 0:
             return "nli_general"
         init = self.nli_init if role in ("nli", "nli_general") else self.rerank_init
@@ -116,8 +125,12 @@ class FinetuneSettings:
 
     def for_role(self, role: str) -> dict:
         """The settings that shape `role`'s training (its cache key)."""
+        if role == "reader":        # its own settings and the shared ones (the NLI's and reranker's aside)
+            return {k: v for k, v in asdict(self).items()
+                    if not k.startswith(("nli_", "rerank_")) and k not in ("batch_size", "max_length_tokens")}
         nli = role in ("nli", "nli_general")
-        out = {k: v for k, v in asdict(self).items() if not k.startswith("nli_" if not nli else "rerank_")}
+        out = {k: v for k, v in asdict(self).items()
+               if not k.startswith("nli_" if not nli else "rerank_") and not k.startswith("reader_")}
         if not self.exclude_files:           # absent, not empty: the checkpoints cached before it stay valid
             out.pop("exclude_files")
         if not nli:
@@ -306,7 +319,59 @@ def _train_reranker(tok, init: Path, sets: PairSets, s: FinetuneSettings, rng: n
     return model, {**loop.stats(), "train_queries": len(groups)}
 
 
-def train(role: str, init: Path, sets: PairSets, out: Path, s: FinetuneSettings) -> dict:
+def span_labels(enc, examples) -> tuple[list[int], list[int], int]:
+    """Start/end token of each example's answer in its encoded (question, passage) pair; [CLS] (0, 0)
+    for a no-answer example and for one whose answer the truncation cut off (counted)."""
+    starts, ends, cut = [], [], 0
+    for i, ex in enumerate(examples):
+        s_tok = e_tok = 0
+        if ex.answer_start is not None:
+            a0, a1 = ex.answer_start, ex.answer_start + len(ex.answer)
+            seq, offsets = enc.sequence_ids(i), enc["offset_mapping"][i]
+            inside = [t for t, (b, e) in enumerate(offsets) if seq[t] == 1 and b < a1 and e > a0]
+            if inside:
+                s_tok, e_tok = inside[0], inside[-1]
+            else:
+                cut += 1
+        starts.append(s_tok)
+        ends.append(e_tok)
+    return starts, ends, cut
+
+
+def _train_reader(tok, init: Path, sets, s: FinetuneSettings, rng: np.random.Generator):
+    """Cross-entropy over the answer's start and end token (SQuAD 2.0-style: no answer = [CLS])."""
+    import torch
+    from transformers import AutoModelForQuestionAnswering
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()        # "newly initialized: qa_outputs" is the point here
+    try:
+        model = AutoModelForQuestionAnswering.from_pretrained(str(init))
+    finally:
+        hf_logging.set_verbosity(level)
+    ex = sets.train
+    # cut the passage, keep the question
+    enc = tok([e.question for e in ex], [e.passage for e in ex], truncation="only_second",
+              max_length=s.reader_max_length_tokens, return_offsets_mapping=True)
+    starts, ends, cut = span_labels(enc, ex)
+    starts, ends = torch.tensor(starts), torch.tensor(ends)
+    feats = {k: enc[k] for k in enc if k != "offset_mapping"}
+    lengths = [len(x) for x in enc["input_ids"]]
+    loop = _Loop("reader", model, s.reader_epochs * ((len(ex) + s.reader_batch_size - 1) // s.reader_batch_size),
+                 s.reader_learning_rate, s)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for _ in range(s.reader_epochs):
+        for idx in _batches(lengths, s.reader_batch_size, rng):
+            batch = tok.pad({k: [feats[k][i] for i in idx] for k in feats}, return_tensors="pt")
+            out = model(**batch)
+            sel = torch.as_tensor(idx)
+            loop.step((loss_fn(out.start_logits, starts[sel]) + loss_fn(out.end_logits, ends[sel])) / 2)
+    return model, {**loop.stats(), "train_examples": len(ex), "answers_cut_by_truncation": cut,
+                   "data": sets.stats}
+
+
+def train(role: str, init: Path, sets, out: Path, s: FinetuneSettings) -> dict:
     """Fine-tune `role` from the checkpoint `init` (MiniLM or the other role's) into `out`."""
     import torch
     from transformers import AutoTokenizer
@@ -314,7 +379,9 @@ def train(role: str, init: Path, sets: PairSets, out: Path, s: FinetuneSettings)
     torch.manual_seed(s.seed)
     rng = np.random.default_rng(s.seed)
     tok = AutoTokenizer.from_pretrained(str(init))
-    if role.startswith("nli"):
+    if role == "reader":
+        model, stats = _train_reader(tok, init, sets, s, rng)
+    elif role.startswith("nli"):
         model, stats = _train_nli(tok, init, sets, s, rng, role)
     else:
         model, stats = _train_reranker(tok, init, sets, s, rng)
@@ -325,7 +392,8 @@ def train(role: str, init: Path, sets: PairSets, out: Path, s: FinetuneSettings)
             shutil.copyfile(init / name, out / name)
     # serve at the length it was trained at: the export reads max_seq_length from here
     # (the reranker trained at 128 lost 3 points of recall@3 when scored at 256)
-    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": s.max_length_tokens}))
+    (out / "sentence_bert_config.json").write_text(json.dumps(
+        {"max_seq_length": s.reader_max_length_tokens if role == "reader" else s.max_length_tokens}))
     return stats
 
 
@@ -336,6 +404,13 @@ def finetuned_checkpoint(role: str, base: Path, data_dir: Path, cache_dir: Path,
     if missing:
         raise ExportError(f"fine-tuning needs the labeled samples {', '.join(missing)} under {data_dir}; "
                           f"pass --data-dir pointing at the shared data folder")
+    if role == "reader":
+        from d2r_edge_export.reader_data import build_reader_sets
+
+        sets = build_reader_sets(data_dir, s.exclude_files, s.seed, s.reader_negatives)
+        if s.max_train_pairs:       # a quick build's cut, as for the NLI's pairs
+            sets.train = sets.train[:s.max_train_pairs]
+        return _reader_checkpoint(base, sha256_file(base / "model.safetensors"), sets, cache_dir, s)
     sets = build_pairs(data_dir, s.max_train_pairs, s.seed, s.rerank_fever_groups, s.nli_augment,
                        s.general_sources() if role == "nli" else None,
                        s.fever_train() if role == "nli" else FeverTrainSpec(), s.exclude_files)
@@ -349,6 +424,24 @@ def _checkpoint(role: str, base: Path, base_sha256: str, sets: PairSets, cache_d
     init, init_meta = ((base, None) if init_role is None
                        else _checkpoint(init_role, base, base_sha256, sets, cache_dir, s))
     key = _key(role, base_sha256, sets, s, init_meta["cache_key"] if init_meta else None)
+
+    def build(tmp: Path) -> dict:
+        log.info("fine-tuning %s from %s on %s", role, init_role or "the base model", sets.split)
+        stats = train(role, init, sets, tmp, s)
+        return {"base_model_sha256": base_sha256,
+                "base_model": str(base), "data_files_sha256": sets.files_sha256, "split": sets.split,
+                "settings": s.for_role(role), "training_pairs_sha256": pairs_sha256(role, sets),
+                "initialized_from": ({"role": init_role, "cache_key": init_meta["cache_key"]} if init_meta
+                                     else "base_model"),
+                **({"general_data": sets.general.stats} if role == "nli_general" and sets.general else {}),
+                **({"fever_train_data": sets.fever_train} if role == "nli" and sets.fever_train else {}),
+                **({"first_stage": init_meta} if init_role == "nli_general" else {}),
+                "cache_key": key, **stats}
+    return _cached(role, key, cache_dir, build)
+
+
+def _cached(role: str, key: str, cache_dir: Path, build) -> tuple[Path, dict]:
+    """cache_dir/finetune/<role>-<key>: reused when finished, else `build(tmp)` -> its training.json."""
     out = cache_dir / "finetune" / f"{role}-{key[:16]}"
     meta_path = out / "training.json"
     if meta_path.is_file():
@@ -356,18 +449,27 @@ def _checkpoint(role: str, base: Path, base_sha256: str, sets: PairSets, cache_d
         return out, json.loads(meta_path.read_text())
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    log.info("fine-tuning %s from %s on %s", role, init_role or "the base model", sets.split)
-    stats = train(role, init, sets, tmp, s)
-    meta = {"base_model_sha256": base_sha256,
-            "base_model": str(base), "data_files_sha256": sets.files_sha256, "split": sets.split,
-            "settings": s.for_role(role), "training_pairs_sha256": pairs_sha256(role, sets),
-            "initialized_from": ({"role": init_role, "cache_key": init_meta["cache_key"]} if init_meta
-                                 else "base_model"),
-            **({"general_data": sets.general.stats} if role == "nli_general" and sets.general else {}),
-            **({"fever_train_data": sets.fever_train} if role == "nli" and sets.fever_train else {}),
-            **({"first_stage": init_meta} if init_role == "nli_general" else {}),
-            "cache_key": key, **stats}
+    meta = build(tmp)
     (tmp / "training.json").write_text(json.dumps(meta, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out, meta
+
+
+def _reader_checkpoint(base: Path, base_sha256: str, sets, cache_dir: Path, s: FinetuneSettings) -> tuple[Path, dict]:
+    """The reader's checkpoint, trained once per span examples / settings / base weights."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"role": "reader", "settings": s.for_role("reader"), "files": sets.files_sha256,
+                         "examples": sets.train_sha256()}, sort_keys=True).encode())
+    h.update(bytes.fromhex(base_sha256))
+    key = h.hexdigest()
+
+    def build(tmp: Path) -> dict:
+        log.info("fine-tuning reader from the base model on %s", json.dumps(sets.stats))
+        stats = train("reader", base, sets, tmp, s)
+        return {"base_model_sha256": base_sha256, "base_model": str(base), "data_files_sha256": sets.files_sha256,
+                "split": {"rule": sets.stats["validation_rule"], "excluded_files": sets.stats["excluded_files"]},
+                "settings": s.for_role("reader"), "training_examples_sha256": sets.train_sha256(),
+                "initialized_from": "base_model", "cache_key": key, **stats}
+    return _cached("reader", key, cache_dir, build)
+

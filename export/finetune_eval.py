@@ -120,3 +120,41 @@ def validate_reranker(manifest: Manifest, sets: PairSets) -> dict:
             "cross_encoder_fp32": _rank_metrics(cross[Variant.FP32], gold),
             "int8_fp32_same_top3": float(np.mean(top3)) if top3 else None,
             "bm25": _rank_metrics(bm25s, gold), "minilm_bi_encoder": _rank_metrics(bienc, gold)}
+
+
+def validate_reader(manifest: Manifest, sets) -> dict:
+    """EM / token F1 of the reader on held-out questions (export/reader_data.py), reading all of each
+    question's paragraphs (10 to 20, mostly distractors) as the runtime reads its top passages; the
+    baseline answers with the title of the paragraph BM25 ranks first (bridge entities are titles)."""
+    from d2r_edge.answers import exact_match, token_f1
+    from d2r_edge.onnx.encoders import Reader
+
+    qs = sets.val
+    readers = {v: Reader(manifest, variant=v) for v in (Variant.INT8, Variant.FP32)}
+    out: dict = {"heldout_questions": len(qs), "sources": {}}
+    for v, reader in readers.items():
+        spans = [reader.read(q.question, q.passages) for q in qs]
+        em = [exact_match(s.text, q.answers) for s, q in zip(spans, qs)]
+        f1 = [token_f1(s.text, q.answers) for s, q in zip(spans, qs)]
+        conf = np.array([s.confidence for s in spans])
+        out[f"reader_{v.value}"] = {"em": float(np.mean(em)), "f1": float(np.mean(f1)),
+                                    "median_confidence": float(np.median(conf)) if len(conf) else None}
+        if v is Variant.INT8:
+            for src in sorted({q.source for q in qs}):
+                idx = [i for i, q in enumerate(qs) if q.source == src]
+                out["sources"][src] = {"questions": len(idx), "em": float(np.mean([em[i] for i in idx])),
+                                       "f1": float(np.mean([f1[i] for i in idx]))}
+            # does its confidence say when it is right? (the detector's use of it)
+            right = np.array(em) > 0
+            if right.any() and (~right).any():
+                from d2r_edge.eval.detection import auroc
+
+                out["confidence_auroc_right_vs_wrong"] = float(auroc(conf, right))
+    titles = []
+    for q in qs:
+        idx = BM25Index()
+        idx.add(list(q.passages))
+        titles.append(q.passages[int(np.argmax(idx.scores(q.question)))].split("\n", 1)[0])
+    out["bm25_top_title"] = {"em": float(np.mean([exact_match(t, q.answers) for t, q in zip(titles, qs)])),
+                             "f1": float(np.mean([token_f1(t, q.answers) for t, q in zip(titles, qs)]))}
+    return out

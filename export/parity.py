@@ -14,7 +14,7 @@ from d2r_edge_export.parity_data import DEFAULT_DATA_DIR, ParitySet  # noqa: F40
 from d2r_edge_export.specs import RoleSpec
 
 from d2r_edge.errors import ParityError
-from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder
+from d2r_edge.onnx.encoders import NLI, CrossEncoder, Embedder, Reader
 from d2r_edge.onnx.manifest import Manifest, Role, Variant
 from d2r_edge.onnx.seq2seq import Seq2SeqModel
 from d2r_edge.onnx.session import Device, SessionConfig
@@ -22,7 +22,7 @@ from d2r_edge.onnx.session import Device, SessionConfig
 log = logging.getLogger(__name__)
 
 CPU = SessionConfig(device=Device.CPU)
-_ENCODERS = {Role.NLI: NLI, Role.RERANKER: CrossEncoder, Role.EMBEDDER: Embedder}
+_ENCODERS = {Role.NLI: NLI, Role.RERANKER: CrossEncoder, Role.EMBEDDER: Embedder, Role.READER: Reader}
 
 
 def _torch_forward(model, feeds: dict[str, np.ndarray]) -> np.ndarray:
@@ -30,6 +30,8 @@ def _torch_forward(model, feeds: dict[str, np.ndarray]) -> np.ndarray:
 
     with torch.no_grad():
         out = model(**{k: torch.from_numpy(v) for k, v in feeds.items()})
+    if hasattr(out, "start_logits"):        # a reader: start and end logits side by side
+        return torch.cat([out.start_logits, out.end_logits], dim=-1).float().numpy()
     first = out.logits if hasattr(out, "logits") else out.last_hidden_state
     return first.float().numpy()
 
@@ -41,9 +43,10 @@ def _mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def _load_torch(role: Role, checkpoint: Path):
-    from transformers import AutoModel, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
+    from transformers import (AutoModel, AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
+                              AutoModelForSequenceClassification)
 
-    cls = {Role.NLI: AutoModelForSequenceClassification,
+    cls = {Role.NLI: AutoModelForSequenceClassification, Role.READER: AutoModelForQuestionAnswering,
            Role.RERANKER: AutoModelForSequenceClassification,
            Role.EMBEDDER: AutoModel, Role.TRIPLES: AutoModelForSeq2SeqLM}[role]
     return cls.from_pretrained(str(checkpoint)).eval()
@@ -59,8 +62,11 @@ def _fail(role: Role, what: str, got: float, bound: float) -> None:
 def agreement_vs_fp32(role: Role, fp32, other, pairs: list[tuple[str, str]]) -> float:
     """Label agreement (NLI) or pairwise order agreement (reranker) of `other` with `fp32`.
 
-    pairs are (passage, question); the reranker scores them as (question, passage).
+    pairs are (passage, question); the reranker scores them as (question, passage); the reader
+    agrees when it reads the same span from the passage.
     """
+    if role is Role.READER:
+        return float(np.mean([fp32.read(q, [p]).text == other.read(q, [p]).text for p, q in pairs]))
     if role is Role.NLI:
         return float(np.mean(fp32.score(pairs).argmax(axis=1) == other.score(pairs).argmax(axis=1)))
     a, b = (m.score_pairs([(q, p) for p, q in pairs]) for m in (fp32, other))
@@ -69,19 +75,24 @@ def agreement_vs_fp32(role: Role, fp32, other, pairs: list[tuple[str, str]]) -> 
 
 
 def encoder_parity(manifest: Manifest, role: Role, spec: RoleSpec, checkpoint: Path,
-                   data: ParitySet, variants: list[Variant]) -> dict:
+                   data: ParitySet, variants: list[Variant], random_weights: bool = False) -> dict:
+    """`random_weights`: a random reader's span logits nearly tie, so which span wins under int8 noise says
+    nothing of the export; its agreement is recorded, not enforced (the logit bounds still are)."""
     model = _load_torch(role, checkpoint)
     cls = _ENCODERS[role]
     runs = {v: cls(manifest, variant=v, session=CPU, allow_random_weights=True) for v in variants}
     ref = runs[Variant.FP32]
     inputs = data.sentences if role is Role.EMBEDDER else data.pairs
-    truncate = "only_second" if role is Role.RERANKER else "only_first"
+    if role is Role.READER:
+        inputs = [(q, p) for p, q in data.pairs]       # (question, passage), the passage cut
+    truncate = "only_second" if role in (Role.RERANKER, Role.READER) else "only_first"
     encs = (ref._encode(texts=inputs) if role is Role.EMBEDDER
             else ref._encode(pairs=inputs, truncate=truncate))
     feeds = ref._feeds(encs)
     torch_out = _torch_forward(model, feeds)
     figures: dict = {"n_inputs": len(inputs), "set": data.name}
-    outs = {v: r.session.run(r.output_names[:1], {k: feeds[k] for k in r.input_names})[0]
+    width = 2 if role is Role.READER else 1
+    outs = {v: np.concatenate(r.session.run(r.output_names[:width], {k: feeds[k] for k in r.input_names}), axis=-1)
             for v, r in runs.items()}
     for v, out in outs.items():
         if role is Role.EMBEDDER:
@@ -108,6 +119,14 @@ def encoder_parity(manifest: Manifest, role: Role, spec: RoleSpec, checkpoint: P
             figures[v.value]["label_agreement_vs_fp32"] = agree
             if agree < spec.int8_min_label_agreement:
                 _fail(role, f"{v.value} label agreement vs fp32", agree, spec.int8_min_label_agreement)
+    elif role is Role.READER:
+        for v in variants:
+            if v is Variant.FP32:
+                continue
+            agree = agreement_vs_fp32(role, ref, runs[v], data.pairs)
+            figures[v.value]["span_agreement_vs_fp32"] = agree
+            if agree < spec.int8_min_label_agreement and not random_weights:
+                _fail(role, f"{v.value} span agreement vs fp32", agree, spec.int8_min_label_agreement)
     elif role is Role.RERANKER:
         for v in variants:
             if v is Variant.FP32:

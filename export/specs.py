@@ -35,6 +35,9 @@ SPECS: dict[Role, RoleSpec] = {
     Role.TRIPLES: RoleSpec(Role.TRIPLES, "text2text-generation-with-past", "triples-rebel",
                            ("encoder_model.onnx", "decoder_model_merged.onnx"),
                            default_max_length_tokens=256, supports_fp16=False),
+    # (question, passage) -> start/end logits per token; int8 agreement: the same best span
+    Role.READER: RoleSpec(Role.READER, "question-answering", "extractive-qa-span", ("model.onnx",),
+                          default_max_length_tokens=256),
 }
 
 

@@ -208,6 +208,26 @@ def build_bert_reranker(out: Path, seed: int, sizes: dict) -> None:
                     unk_token="[UNK]", mask_token="[MASK]")
 
 
+def build_bert_reader(out: Path, seed: int, sizes: dict) -> None:
+    """BERT with a span head (start/end logit per token), the architecture of the offline reader."""
+    import torch
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    torch.manual_seed(seed)
+    tok = _pick_tokenizer(sizes, lambda: wordpiece_tokenizer(tiny_corpus(seed=seed + 3), vocab_size=400))
+    cfg = BertConfig(
+        vocab_size=sizes.get("vocab_size", tok.get_vocab_size()),
+        hidden_size=sizes["hidden"], num_hidden_layers=sizes["layers"],
+        num_attention_heads=sizes["heads"], intermediate_size=sizes["ffn"],
+        max_position_embeddings=512,
+    )
+    model = BertForQuestionAnswering(cfg).eval()
+    _init_range(model, sizes.get("init_std", 0.02), seed)
+    model.save_pretrained(str(out))
+    _save_tokenizer(tok, out, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+                    unk_token="[UNK]", mask_token="[MASK]")
+
+
 def build_bart_rebel(out: Path, seed: int, sizes: dict) -> None:
     import torch
     from transformers import BartConfig, BartForConditionalGeneration, GenerationConfig
@@ -249,6 +269,8 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
                         dict(hidden=32, layers=2, heads=4, ffn=64, init_std=0.2)),
         RandomModelSpec("tiny-bert-reranker", "reranker", build_bert_reranker,
                         dict(hidden=32, layers=2, heads=4, ffn=64, init_std=0.2)),
+        RandomModelSpec("tiny-bert-reader", "reader", build_bert_reader,
+                        dict(hidden=32, layers=2, heads=4, ffn=64, init_std=0.2)),
         RandomModelSpec("tiny-bart-rebel", "triples", build_bart_rebel,
                         dict(hidden=32, layers=2, heads=4, ffn=64, init_std=0.2, max_length=24)),
         RandomModelSpec("deberta-v3-base", "nli", build_deberta_nli,
@@ -266,7 +288,7 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
     )
 }
 
-TINY_FOR_ROLE = {"nli": "tiny-deberta-nli", "reranker": "tiny-bert-reranker",
+TINY_FOR_ROLE = {"nli": "tiny-deberta-nli", "reranker": "tiny-bert-reranker", "reader": "tiny-bert-reader",
                  "triples": "tiny-bart-rebel"}
 
 

@@ -26,7 +26,8 @@ def small_offline(tmp_path_factory, shared_data):
     warnings.filterwarnings("ignore")
     logging.getLogger("optimum").setLevel(logging.ERROR)
     out = tmp_path_factory.mktemp("offline")
-    settings = FinetuneSettings(nli_epochs=1, rerank_epochs=1, max_train_pairs=256, nli_fever_train_pairs=128)
+    settings = FinetuneSettings(nli_epochs=1, rerank_epochs=1, reader_epochs=1, max_train_pairs=256,
+                                nli_fever_train_pairs=128)
     # held-out sets, int8 calibration and parity cut (the build's figures are not what is tested here:
     # at full size they took 5 of this fixture's 7 minutes, at 240 pairs 2 of 3.7)
     path = run_export(ExportRequest("offline", models_dir=out, profiles_file=ROOT / "models" / "profiles.toml",
@@ -199,6 +200,13 @@ def test_manifest_is_traceable(small_offline):
     r = raw["roles"]["reranker"]["validation"]
     assert {"cross_encoder_int8", "bm25", "minilm_bi_encoder"} <= set(r)
     assert 0 < r["heldout_hotpotqa_questions"] <= HELDOUT_LIMIT and r["heldout_limit"] == HELDOUT_LIMIT
+    # the reader (issue 53): its span examples, the cut, EM/F1 on held-out questions beside a baseline
+    reader = raw["roles"]["reader"]
+    assert reader["task"] == "extractive-qa-span" and reader["training"]["train_examples"] == 256
+    assert reader["training"]["data"]["positives"] > 0 and reader["training"]["initialized_from"] == "base_model"
+    rv = reader["validation"]
+    assert rv["heldout_questions"] == HELDOUT_LIMIT and {"em", "f1"} <= set(rv["reader_int8"]) <= set(rv["reader_fp32"])
+    assert 0 <= rv["bm25_top_title"]["f1"] <= 1 and "span_agreement_vs_fp32" in reader["parity"]["int8"]
     assert raw["absent"]["triples"].startswith("no REBEL")
 
 

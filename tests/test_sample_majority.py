@@ -20,7 +20,7 @@ from d2r_edge.signals import Entailment, FailureType, KGStatus
 from d2r_edge.tasks import Task
 
 VOTE = ARM_NAMES.index("sample_majority")
-ROLES = (Role.NLI, Role.RERANKER, Role.EMBEDDER, Role.TRIPLES)
+ROLES = (Role.NLI, Role.RERANKER, Role.EMBEDDER, Role.TRIPLES, Role.READER)
 
 
 class AliasNLI:

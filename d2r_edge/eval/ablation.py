@@ -21,7 +21,7 @@ Labels: FEVER, the generator's label is wrong; QA, the answer is not an exact ma
 Cost per query (seconds, from the first attempts' recorded stage times): the NLI pairs
 behind the NLI and grounding groups (`diagnose_s`, which for QA also clusters the
 samples), the samples behind self-consistency (`samples_s`), the self-check's request
-(`p_true_s`), the answer itself (`generate_s` without those; its log-probabilities come with
+(`p_true_s`), the reader (`reader_s`, its share of `diagnose_s`), the answer itself (`generate_s` without those; its log-probabilities come with
 it), retrieval.
 """
 
@@ -108,7 +108,9 @@ def signal_costs(firsts) -> dict[str, dict[str, float]]:
     t = [a.timings_s for a in firsts]
     sampled = [x for x in t if "samples_s" in x]
     checked = [x for x in t if "p_true_s" in x]
-    return {"nli_pairs (nli_query, grounding)": stats([x.get("diagnose_s", 0.0) for x in t]),
+    read = [x for x in t if "reader_s" in x]
+    return {"nli_pairs (nli_query, grounding)": stats([x.get("diagnose_s", 0.0) - x.get("reader_s", 0.0) for x in t]),
+            "reader (reader)": stats([x["reader_s"] for x in read]),
             "samples (self_consistency)": stats([x["samples_s"] for x in sampled]),
             "self-check request (self_check)": stats([x["p_true_s"] for x in checked]),
             "answer with log-probs (log_probs, answer)": stats([x.get("generate_s", 0.0) - x.get("samples_s", 0.0)

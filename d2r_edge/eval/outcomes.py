@@ -39,7 +39,8 @@ def config_key(cfg: PipelineConfig) -> str:
     r = cfg.retrieval
     return (f"{r.kind.value}|k{r.top_k}|rerank{int(r.rerank)}:{r.rerank_top_n}|{cfg.prompt.value}"
             f"|refresh{int(cfg.refresh)}|titles{int(cfg.evidence_titles)}"
-            + (f"|hop{r.second_hop}" if r.second_hop else "") + ("|majority" if cfg.majority else ""))
+            + (f"|hop{r.second_hop}" if r.second_hop else "") + ("|majority" if cfg.majority else "")
+            + ("|reader" if cfg.reader_answer else ""))
 
 
 def _label(value) -> Label | None:
@@ -60,7 +61,8 @@ def attempt_to_json(a: Attempt) -> dict:
                       "label": d.label.value if d.label else None,
                       "gated_label": d.gated_label.value if d.gated_label else None,
                       "nli_q": d.passage_probs_q, "nli_r": d.passage_probs_r,
-                      **({"consistency": d.consistency} if d.consistency is not None else {})},
+                      **({"consistency": d.consistency} if d.consistency is not None else {}),
+                      **({"reader": d.reader} if d.reader is not None else {})},
         "timings_s": a.timings_s,
     }
 
@@ -75,10 +77,23 @@ def attempt_from_json(row: dict, chunks: list[dict]) -> Attempt:
     g, d = row["generation"], row["diagnosis"]
     diag = Diagnosis(FailureType(d["failure"]), Entailment(d["e_q"]), Entailment(d["e_r"]), KGStatus(d["kg"]),
                      _label(d["label"]), _label(d["gated_label"]), _probs(d["nli_q"]), _probs(d["nli_r"]),
-                     _consistency(d))
+                     _consistency(d), _reader(d))
     return Attempt(passages, Generation(_text(g["response"]), _label(g["label"]), _text(g["raw"]),
                                         logprobs=_logprobs(g), samples=_samples(g), p_true=_p_true(g)), diag,
                    {str(k): float(v) for k, v in dict(row["timings_s"]).items()})
+
+
+def _reader(d: dict) -> dict | None:
+    """A stored reader span (text, passage, confidence, no_answer, seconds); None where no reader ran."""
+    r = d.get("reader")
+    if r is None:
+        return None
+    if not (isinstance(r, dict) and isinstance(r.get("text"), str) and isinstance(r.get("no_answer"), bool)
+            and isinstance(r.get("passage"), int) and not isinstance(r.get("passage"), bool)
+            and _is_number(r.get("confidence")) and 0.0 <= r["confidence"] <= 1.0
+            and _is_number(r.get("seconds", 0.0))):
+        raise TypeError("reader is not a stored span")
+    return dict(r)
 
 
 def _is_number(v) -> bool:

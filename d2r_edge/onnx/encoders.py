@@ -311,3 +311,82 @@ class Embedder(_Encoder):
         files = self.entry.variants.get(Variant.FP32) or self.entry.variants[self.variant]
         digest = hashlib.sha256("".join(files[n].sha256 for n in sorted(files)).encode()).hexdigest()
         return f"onnx:{digest}"
+
+
+@dataclass(frozen=True)
+class Span:
+    """The reader's answer to a question: a span of one passage (issue 53)."""
+
+    text: str
+    passage: int            # index of the passage it was read from
+    confidence: float       # softmax share of this span among every passage's best span and "no answer"
+    no_answer: bool         # "no passage holds the answer" scored above every span (text is then the best one)
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "passage": self.passage, "confidence": self.confidence,
+                "no_answer": self.no_answer}
+
+
+MAX_ANSWER_TOKENS = 30      # the longest span the reader returns (SQuAD readers use 30)
+
+
+def best_span(start: np.ndarray, end: np.ndarray, allowed: np.ndarray,
+              max_tokens: int = MAX_ANSWER_TOKENS) -> tuple[int, int, float]:
+    """The (i, j) with i <= j < i + max_tokens, both allowed, maximizing start[i] + end[j]; with its score.
+    (-1, -1, -inf) when no token is allowed."""
+    n = len(start)
+    s = np.where(allowed, start, -np.inf)
+    e = np.where(allowed, end, -np.inf)
+    if not np.isfinite(s).any():
+        return -1, -1, -np.inf
+    width = min(max_tokens, n)
+    padded = np.concatenate([e, np.full(width - 1, -np.inf)])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, width)      # (n, width): end[i .. i+width-1]
+    with np.errstate(invalid="ignore"):
+        total = s[:, None] + windows
+    flat = int(np.nanargmax(np.where(np.isnan(total), -np.inf, total)))
+    i, k = divmod(flat, width)
+    return i, i + k, float(total[i, k])
+
+
+class Reader(_Encoder):
+    """Extractive QA over (question, passage) pairs: start/end logits per token, the best span of each
+    passage, the best of all. The no-answer score of a passage is its [CLS] start + end logit; the
+    question's is the lowest over its passages (the passage most likely to hold an answer decides)."""
+
+    role = Role.READER
+    cpu_batch_tokens = CPU_PAIR_BATCH_TOKENS
+
+    def logits(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[np.ndarray, np.ndarray, object]]:
+        """(start, end, encoding) per (question, passage) pair, unpadded."""
+        encs = self._encode(pairs=list(pairs), truncate="only_second")     # cut the passage, keep the question
+        out: list = [None] * len(encs)
+        names = [n for n in ("start_logits", "end_logits") if n in self.output_names] or self.output_names[:2]
+        for idx in token_batches([len(e.ids) for e in encs], self.batch):
+            feeds = self._feeds([encs[i] for i in idx])
+            start, end = run(self.session, names, feeds)
+            for row, i in enumerate(idx):
+                n = len(encs[i].ids)
+                out[i] = (start[row, :n], end[row, :n], encs[i])
+        return out
+
+    def read(self, question: str, passages: Sequence[str]) -> Span | None:
+        """The best span over `passages` (None without passages)."""
+        passages = list(passages)
+        if not passages:
+            return None
+        best, spans, nulls = None, [], []
+        for p, (start, end, enc) in enumerate(self.logits([(question, t) for t in passages])):
+            in_passage = np.array([s == 1 for s in enc.sequence_ids])
+            i, j, score = best_span(start, end, in_passage)
+            nulls.append(float(start[0] + end[0]))
+            spans.append(score)
+            if i >= 0 and (best is None or score > best[0]):
+                best = (score, p, enc.offsets[i][0], enc.offsets[j][1])
+        if best is None:
+            return Span("", 0, 0.0, True)
+        z = np.array([*spans, min(nulls)], dtype=np.float64)
+        z = np.exp(z - z[np.isfinite(z)].max())
+        score, p, a, b = best
+        confidence = float(z[p] / z.sum())
+        return Span(passages[p][a:b].strip(), p, confidence, bool(min(nulls) > score))

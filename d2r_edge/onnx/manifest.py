@@ -35,6 +35,7 @@ class Role(str, Enum):
     TRIPLES = "triples"
     RERANKER = "reranker"
     EMBEDDER = "embedder"
+    READER = "reader"            # extractive QA: the answer span of a question in a passage (issue 53)
 
 
 class Variant(str, Enum):
