@@ -241,7 +241,8 @@ def test_the_exported_reader_reads_a_span_of_a_passage(tiny_models):
     entry = manifest.role(Role.READER, allow_random_weights=True)
     assert entry.task == "extractive-qa-span" and "span_agreement_vs_fp32" in entry.raw["parity"]["int8"]
     r = Reader(manifest, allow_random_weights=True)
-    passages = ["The museum\nThe museum was founded in the spring of 1902.", "A small robot\nA small robot is near Paris."]
+    passages = ["The museum\nThe museum was founded in the spring of 1902.",
+                "A small robot\nA small robot is near Paris."]
     span = r.read("Which place was founded in 1902?", passages)
     assert span.text and span.text in passages[span.passage] and 0.0 < span.confidence <= 1.0
     assert r.read("q", []) is None

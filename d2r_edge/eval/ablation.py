@@ -21,8 +21,8 @@ Labels: FEVER, the generator's label is wrong; QA, the answer is not an exact ma
 Cost per query (seconds, from the first attempts' recorded stage times): the NLI pairs
 behind the NLI and grounding groups (`diagnose_s`, which for QA also clusters the
 samples), the samples behind self-consistency (`samples_s`), the self-check's request
-(`p_true_s`), the reader (`reader_s`, its share of `diagnose_s`), the answer itself (`generate_s` without those; its log-probabilities come with
-it), retrieval.
+(`p_true_s`), the reader (`reader_s`, its share of `diagnose_s`), the answer itself (`generate_s`
+without those; its log-probabilities come with it), retrieval.
 """
 
 from __future__ import annotations
