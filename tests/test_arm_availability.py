@@ -14,9 +14,10 @@ from d2r_edge.repair import ARM_NAMES, arm_availability
 
 RERANK = ARM_NAMES.index("rerank")
 NO_RERANKER = {"reranker": "the quick build trains no reranker; rerank arms are off"}
-# the extractive generator draws no self-consistency samples: the voting arm is off in every profile here
-NO_VOTE = arm_availability(list(Role)).unavailable
-assert list(NO_VOTE) == ["sample_majority"]
+# the extractive generator draws no self-consistency samples: the voting arm is off in every profile here,
+# and these are FEVER pipelines: the reader's arm answers questions, not claims
+NO_VOTE = arm_availability(list(Role), fact_verification=True).unavailable
+assert list(NO_VOTE) == ["sample_majority", "reader_span"]
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +61,13 @@ def test_the_one_place_that_decides_names_the_missing_role():
 
     every = arm_availability(list(Role), samples=4)
     assert every.mask.all() and every.unavailable == {}
-    quick = arm_availability([Role.NLI, Role.EMBEDDER], {Role.RERANKER: "the quick build trains none"}, samples=4)
+    quick = arm_availability([Role.NLI, Role.EMBEDDER, Role.READER], {Role.RERANKER: "the quick build trains none"},
+                             samples=4)
     assert quick.mask.tolist() == [name != "rerank" for name in ARM_NAMES]
     assert quick.unavailable == {"rerank": "no reranker model (the quick build trains none)"}
+    # the reader's arm: off without a reader, and for FEVER's claims whatever the profile
+    assert arm_availability([Role.NLI, Role.EMBEDDER], samples=4).unavailable["reader_span"].startswith("no reader")
+    assert "claim" in arm_availability(list(Role), samples=4, fact_verification=True).unavailable["reader_span"]
     # without self-consistency samples the voting arm is off too, and says how to turn it on
     plain = arm_availability(list(Role))
     assert plain.mask.tolist() == [name != "sample_majority" for name in ARM_NAMES]
@@ -100,7 +105,9 @@ def test_run_with_a_rerank_policy_never_picks_rerank_without_a_reranker(world, t
     for r in repaired:
         assert "rerank" not in r["repair"]["allowed"]
         assert r["repair"]["unavailable"] == {"rerank": f"no reranker model ({NO_RERANKER['reranker']})", **NO_VOTE}
-    assert "arms off (the loaded models cannot run them): rerank (no reranker model" in summary(recs)
+    heading = "arms off (the loaded models cannot run them): "
+    off = [line for line in summary(recs).splitlines() if line.startswith(heading)]
+    assert len(off) == 1 and "; rerank (no reranker model" in off[0]
 
 
 def test_train_without_a_reranker_never_tries_rerank(world, tmp_path):
@@ -122,7 +129,7 @@ def test_a_profile_without_triples_runs_and_masks_nothing(world, tmp_path):
     from d2r_edge.runner import load_queries, process
 
     p = _pipeline(world, world["no_triples"])
-    assert p.arms.unavailable == NO_VOTE and p.arms.mask.sum() == len(ARM_NAMES) - 1
+    assert p.arms.unavailable == NO_VOTE and p.arms.mask.sum() == len(ARM_NAMES) - 2
     recs = process(p, load_queries(world["queries"])[:10], tmp_path / "r.jsonl", learn=False).records
     assert all(r["error"] is None for r in recs)
     assert {r["first"]["kg"] for r in recs} == {"no_triplets"}
@@ -139,8 +146,8 @@ def test_eval_answers_every_method_without_a_reranker(world, tiny_models, tmp_pa
 
     real_availability = app.arm_availability
 
-    def without_k20(roles, absent=None, samples=0):
-        a = real_availability(roles, absent, samples)
+    def without_k20(roles, absent=None, samples=0, fact_verification=False):
+        a = real_availability(roles, absent, samples, fact_verification)
         mask, why = a.mask.copy(), dict(a.unavailable)
         for name in ("dense_k20", "dense_k20_refresh"):    # twins here: no refresh source in an eval
             mask[ARM_NAMES.index(name)] = False

@@ -102,7 +102,7 @@ def test_empty_retrieval_is_insufficient_evidence():
 
 
 def test_arm_registry():
-    assert len(ARMS) == 15 and len({a.name for a in ARMS}) == 15
+    assert len(ARMS) == 16 and len({a.name for a in ARMS}) == 16
     assert IS_RETRIEVAL.sum() == 10          # the 8 dense/BM25 arms, second_hop, dense_k3
     combos = {(a.kind, a.top_k, a.refresh) for a in ARMS if a.kind is not None}
     assert combos == set(itertools.product([RetrieverKind.DENSE, RetrieverKind.BM25], [10, 20], [False, True])) \
@@ -128,8 +128,8 @@ def test_arm_registry():
 
 
 def test_unverified_rule():
-    # + dense_k3, prompt_extract, sample_majority
-    assert allowed_arms(True).tolist() == [True] * 8 + [False] * 3 + [True, True, False, False]
+    # + dense_k3, prompt_extract, sample_majority, reader_span
+    assert allowed_arms(True).tolist() == [True] * 8 + [False] * 3 + [True, True, False, False, False]
     assert allowed_arms(False).all()
     assert allowed_arms(True, restrict_unverified=False).all()   # QA (reference HotpotQA scripts)
 
