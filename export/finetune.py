@@ -468,7 +468,7 @@ def _reader_checkpoint(base: Path, base_sha256: str, sets, cache_dir: Path, s: F
         log.info("fine-tuning reader from the base model on %s", json.dumps(sets.stats))
         stats = train("reader", base, sets, tmp, s)
         return {"base_model_sha256": base_sha256, "base_model": str(base), "data_files_sha256": sets.files_sha256,
-                "split": {"rule": sets.stats["validation_rule"], "excluded_files": sets.stats["excluded_files"]},
+                "split": sets.split(),
                 "settings": s.for_role("reader"), "training_examples_sha256": sets.train_sha256(),
                 "initialized_from": "base_model", "cache_key": key, **stats}
     return _cached("reader", key, cache_dir, build)

@@ -58,6 +58,13 @@ class ReaderSets:
     files_sha256: dict[str, str] = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
 
+    def split(self) -> dict:
+        """The manifest's record of the split, in the form every role writes (`excluded_files`: file ->
+        sha256), which `eval answers` reads to refuse test files a role trained on."""
+        excluded = self.stats.get("excluded_files") or []
+        return {"rule": self.stats.get("validation_rule"),
+                "excluded_files": {f: self.files_sha256[f] for f in excluded}}
+
     def train_sha256(self) -> str:
         rows = [[e.question, e.passage, e.answer, e.answer_start] for e in self.train]
         return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode()).hexdigest()

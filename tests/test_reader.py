@@ -232,6 +232,30 @@ def test_the_training_examples_leave_out_excluded_and_held_out_questions(shared_
     assert sets.stats["excluded"] > 0 and sets.stats["positives"] > 0 and sets.stats["negatives"] > 0
 
 
+def test_eval_reads_the_reader_s_split_like_the_other_roles(shared_data, tmp_path):
+    """The manifest's reader entry names its left-out files as the others do: `eval answers --split all` on an
+    excluded file runs, on a file the reader trained on it refuses."""
+    import json
+
+    from d2r_edge.errors import InputError
+    from d2r_edge.app import RunSettings
+    from d2r_edge.eval.answers import check_unseen_by_finetuning
+    from d2r_edge.eval.context import EvalSettings
+    from d2r_edge.eval.split import Split
+    from d2r_edge_export.reader_data import build_reader_sets
+
+    sets = build_reader_sets(shared_data, ("hotpotqa/dev.jsonl",))
+    training = {"data_files_sha256": sets.files_sha256, "split": sets.split()}
+    (tmp_path / "manifest.json").write_text(json.dumps({"roles": {"reader": {"training": training}}}))
+    def settings(test):
+        return EvalSettings(task=Task.QA, train=(test,), test=(test,), models=tmp_path, out=tmp_path / "o",
+                            split=Split.ALL, run=RunSettings(kb=tmp_path, models=tmp_path, task=Task.QA))
+
+    check_unseen_by_finetuning(settings(shared_data / "hotpotqa" / "dev.jsonl"))
+    with pytest.raises(InputError, match="musique/dev.jsonl, which the reader model was fine-tuned on"):
+        check_unseen_by_finetuning(settings(shared_data / "musique" / "dev.jsonl"))
+
+
 @pytest.mark.export
 def test_the_exported_reader_reads_a_span_of_a_passage(tiny_models):
     from d2r_edge.onnx.encoders import Reader
