@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from d2r_edge_export.finetune_data import QA_FILES, excluded_questions
+from d2r_edge_export.finetune_data import QA_FILES, _rows, excluded_questions
 
 from d2r_edge.eval.split import is_validation, normalize_text
 
@@ -68,11 +68,6 @@ class ReaderSets:
     def train_sha256(self) -> str:
         rows = [[e.question, e.passage, e.answer, e.answer_start] for e in self.train]
         return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode()).hexdigest()
-
-
-def _rows(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
 
 
 @dataclass(frozen=True)

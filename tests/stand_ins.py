@@ -314,3 +314,21 @@ def top_score_detector():
     w = np.zeros(len(names))
     w[names.index("ret_top1")] = 5.0
     return Detector(names, "fever", np.zeros(len(names)), np.ones(len(names)), w, -10.0, 0.5)
+
+
+class RomeRetriever:
+    """One passage about Rome for every query; counts its retrievals."""
+
+    kb = None
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def embed(self, query):
+        return np.ones(4)
+
+    def retrieve(self, query, cfg, query_vec=None):
+        from d2r_edge.retrieval.retriever import Passage
+
+        self.calls += 1
+        return [Passage(0, "d0", "Rome", "Rome is the capital of Italy.", 1.0)]

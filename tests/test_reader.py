@@ -22,6 +22,7 @@ from d2r_edge.repair import ARM_NAMES, ARMS, ArmAvailability, arm_availability
 from d2r_edge.retrieval.retriever import Passage
 from d2r_edge.signals import Entailment, FailureType, KGStatus
 from d2r_edge.tasks import Task
+from stand_ins import RomeRetriever as Retriever
 
 READ = ARM_NAMES.index("reader_span")
 ROLES = (Role.NLI, Role.RERANKER, Role.EMBEDDER, Role.TRIPLES)
@@ -102,20 +103,6 @@ def test_the_reader_arm_is_off_for_claims_and_without_a_reader():
     assert on.mask[READ]
     fever = arm_availability((*ROLES, Role.READER), fact_verification=True)
     assert not fever.mask[READ] and "claim" in fever.reason(READ)
-
-
-class Retriever:
-    kb = None
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def embed(self, query):
-        return np.ones(4)
-
-    def retrieve(self, query, cfg, query_vec=None):
-        self.calls += 1
-        return [Passage(0, "d0", "Rome", "Rome is the capital of Italy.", 1.0)]
 
 
 class Answers:
