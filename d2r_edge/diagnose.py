@@ -124,8 +124,11 @@ class Diagnoser:
         return [self.labels[int(i)] for i in probs.argmax(axis=1)]
 
     def diagnose(self, query: str, passages: list[str], response: str, label: Label | None,
-                 fact_verification: bool, samples: tuple[str, ...] | None = None) -> Diagnosis:
-        """Alg. 1's verdict; with the generator's `samples`, the self-consistency signals too."""
+                 fact_verification: bool, samples: tuple[str, ...] | None = None,
+                 read: dict | None = None) -> Diagnosis:
+        """Alg. 1's verdict; with the generator's `samples`, the self-consistency signals too. `read`: the
+        reader's span of these same passages for this query, already read (an arm that re-answers on the
+        first attempt's passages): kept, not read again."""
         k = len(passages)
         hyp = response or ""
         if not fact_verification:
@@ -150,7 +153,7 @@ class Diagnoser:
         greedy = (label.value if label is not None else "NOT ENOUGH INFO") if fact_verification else response
         sc = consistency_signals(query, greedy, samples, fact_verification, self.nli) if samples else None
         return Diagnosis(failure, e_q, e_r, kg, label, gated, as_dicts(pq), as_dicts(pr), sc,
-                         None if fact_verification else self._read(query, passages))
+                         None if fact_verification else (read if read is not None else self._read(query, passages)))
 
     def _read(self, query: str, passages: list[str]) -> dict | None:
         """The reader's answer to the query from the passages, what it took; None without a reader."""

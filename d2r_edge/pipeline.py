@@ -257,10 +257,13 @@ class Pipeline:
         return replace(gen, p_true=p, p_true_s=took_s, replayed_s=gen.replayed_s + max(0.0, took_s - wall_s))
 
     def _diagnosed(self, query: str, passages: list[Passage], texts: list[str], gen: Generation,
-                   t: dict[str, float]) -> Attempt:
-        """The attempt of `gen` on `passages`, diagnosed (its time into `t`)."""
+                   t: dict[str, float], first: Attempt | None = None) -> Attempt:
+        """The attempt of `gen` on `passages`, diagnosed (its time into `t`). `first`: the attempt whose
+        passages these are; its reader's span is reused (the same query on the same passages), not read again."""
         t0 = time.perf_counter()
         extra = {"samples": gen.samples} if gen.samples else {}      # (stand-in diagnosers take none)
+        if first is not None and first.diagnosis.reader is not None:
+            extra["read"] = {**first.diagnosis.reader, "seconds": 0.0}
         diag = self.diagnoser.diagnose(query, texts, gen.response, gen.label, self.task.fact_verification, **extra)
         t["diagnose_s"] = time.perf_counter() - t0
         if diag.reader is not None:        # the reader's share of diagnose_s
@@ -283,7 +286,7 @@ class Pipeline:
                          raw=g.raw, logprobs=g.logprobs if winner == greedy else None, samples=g.samples)
         t["generate_s"] = time.perf_counter() - t0
         texts = [evidence_text(p, cfg.evidence_titles) for p in first.passages]
-        return self._diagnosed(query, list(first.passages), texts, gen, t)
+        return self._diagnosed(query, list(first.passages), texts, gen, t, first)
 
     def _read(self, query: str, cfg: PipelineConfig, query_vec: np.ndarray | None, first: Attempt | None) -> Attempt:
         """The `reader_span` arm (issue 53): the first attempt's passages, answered with the span the
@@ -298,7 +301,7 @@ class Pipeline:
         gen = g if text is None else Generation(response=text, label=None, raw=text)
         t["generate_s"] = time.perf_counter() - t0
         texts = [evidence_text(p, cfg.evidence_titles) for p in first.passages]
-        return self._diagnosed(query, list(first.passages), texts, gen, t)
+        return self._diagnosed(query, list(first.passages), texts, gen, t, first)
 
     def run(self, query: str, learn: bool, deadline_s: float | None = None) -> dict:
         """Answer one query with at most one repair (Alg. 2 l.6-15); returns the record."""

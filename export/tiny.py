@@ -188,44 +188,37 @@ def build_deberta_nli(out: Path, seed: int, sizes: dict) -> None:
                     unk_token="[UNK]", mask_token="[MASK]")
 
 
-def build_bert_reranker(out: Path, seed: int, sizes: dict) -> None:
+def _build_bert(out: Path, seed: int, sizes: dict, corpus_seed: int, head: str, **labels: Any) -> None:
+    """A random BERT with `head` (a transformers class name) on a WordPiece vocabulary trained on the
+    tiny corpus drawn with `corpus_seed` (unless `sizes` names a real tokenizer)."""
     import torch
-    from transformers import BertConfig, BertForSequenceClassification
+    import transformers
+    from transformers import BertConfig
 
     torch.manual_seed(seed)
-    tok = _pick_tokenizer(sizes, lambda: wordpiece_tokenizer(tiny_corpus(seed=seed + 1), vocab_size=400))
+    tok = _pick_tokenizer(sizes, lambda: wordpiece_tokenizer(tiny_corpus(seed=corpus_seed), vocab_size=400))
     cfg = BertConfig(
         vocab_size=sizes.get("vocab_size", tok.get_vocab_size()),
         hidden_size=sizes["hidden"], num_hidden_layers=sizes["layers"],
         num_attention_heads=sizes["heads"], intermediate_size=sizes["ffn"],
-        max_position_embeddings=512, num_labels=1, id2label={0: "relevance"},
-        label2id={"relevance": 0},
+        max_position_embeddings=512, **labels,
     )
-    model = BertForSequenceClassification(cfg).eval()
+    model = getattr(transformers, head)(cfg).eval()
     _init_range(model, sizes.get("init_std", 0.02), seed)
     model.save_pretrained(str(out))
     _save_tokenizer(tok, out, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
                     unk_token="[UNK]", mask_token="[MASK]")
+
+
+def build_bert_reranker(out: Path, seed: int, sizes: dict) -> None:
+    """BERT with one relevance logit, the cross-encoder reranker's architecture."""
+    _build_bert(out, seed, sizes, seed + 1, "BertForSequenceClassification",
+                num_labels=1, id2label={0: "relevance"}, label2id={"relevance": 0})
 
 
 def build_bert_reader(out: Path, seed: int, sizes: dict) -> None:
     """BERT with a span head (start/end logit per token), the architecture of the offline reader."""
-    import torch
-    from transformers import BertConfig, BertForQuestionAnswering
-
-    torch.manual_seed(seed)
-    tok = _pick_tokenizer(sizes, lambda: wordpiece_tokenizer(tiny_corpus(seed=seed + 3), vocab_size=400))
-    cfg = BertConfig(
-        vocab_size=sizes.get("vocab_size", tok.get_vocab_size()),
-        hidden_size=sizes["hidden"], num_hidden_layers=sizes["layers"],
-        num_attention_heads=sizes["heads"], intermediate_size=sizes["ffn"],
-        max_position_embeddings=512,
-    )
-    model = BertForQuestionAnswering(cfg).eval()
-    _init_range(model, sizes.get("init_std", 0.02), seed)
-    model.save_pretrained(str(out))
-    _save_tokenizer(tok, out, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-                    unk_token="[UNK]", mask_token="[MASK]")
+    _build_bert(out, seed, sizes, seed + 3, "BertForQuestionAnswering")
 
 
 def build_bart_rebel(out: Path, seed: int, sizes: dict) -> None:

@@ -511,6 +511,26 @@ def test_a_signal_group_missing_on_every_training_query_is_never_kept():
     assert all(det.weights[names.index(m)] == 0.0 for m in groups["self_consistency"])
 
 
+def test_a_training_side_too_small_to_select_on_is_said_in_the_fit_and_the_report(caplog):
+    """Issue 53: with ~23 right answers on the training side the group choice was noise and nothing said so."""
+    from d2r_edge.detector import SELECT_MIN_SMALLER_CLASS
+    from d2r_edge.eval.report import _group_choice_lines
+
+    names, groups, _, y, x = _log_probs_world(3, 400)
+    big = Detector.fit(x, y, names, "qa", groups=groups).fit_stats
+    assert big["selection_smaller_class"] >= SELECT_MIN_SMALLER_CLASS and big["selection_reliable"] is True
+    keep = np.flatnonzero(~y)[:SELECT_MIN_SMALLER_CLASS - 20].tolist() + np.flatnonzero(y).tolist()
+    with caplog.at_level("WARNING", logger="d2r_edge.detector"):
+        small = Detector.fit(x[keep], y[keep], names, "qa", groups=groups).fit_stats
+    assert small["selection_smaller_class"] == SELECT_MIN_SMALLER_CLASS - 20 and small["selection_reliable"] is False
+    assert "close to noise" in caplog.text
+    row = {"score": "calibrated", "fit": small}
+    said = " ".join(_group_choice_lines([{"score": "alg1_nli"}, row]))
+    assert "too small to select on" in said and str(SELECT_MIN_SMALLER_CLASS - 20) in said
+    assert "too small" not in " ".join(_group_choice_lines([{**row, "fit": big}]))
+    assert ", ".join(big["groups_kept"]) in " ".join(_group_choice_lines([{**row, "fit": big}]))
+
+
 def test_per_file_detection_rows_name_files_that_share_a_name_apart():
     # HotpotQA's distractor and fullwiki questions are both dev.jsonl: the per-file table said 'dev.jsonl' twice
     from d2r_edge.eval.report import file_labels

@@ -119,8 +119,8 @@ class Answers:
 class Judge(Diagnoser):
     """Flat NLI; flags the answer 'Paris' (the gate repairs it), passes anything else."""
 
-    def diagnose(self, query, passages, response, label, fact_verification, samples=None):
-        d = super().diagnose(query, passages, response, label, fact_verification)
+    def diagnose(self, query, passages, response, label, fact_verification, samples=None, read=None):
+        d = super().diagnose(query, passages, response, label, fact_verification, read=read)
         ok = response != "Paris"
         return Diagnosis(FailureType.NO_FAILURE if ok else FailureType.WRONG_RESPONSE, d.e_q, d.e_r, d.kg, None, None,
                          d.passage_probs_q, d.passage_probs_r, None, d.reader)
@@ -144,6 +144,9 @@ def test_the_reader_arm_answers_with_the_span_without_generating_again():
     assert p.generator.calls == 1 and p.retriever.calls == 1
     assert rec["first"]["reader"] == {"text": "Rome", "passage": 0, "confidence": 0.8, "no_answer": False}
     assert "reader_s" in rec["first"]["timings_s"]
+    # the repair's diagnosis keeps the first attempt's span of the same passages: the reader read once
+    assert p.diagnoser.reader.calls == 1 and rec["final"]["reader"] == rec["first"]["reader"]
+    assert rec["final"]["timings_s"]["reader_s"] == 0.0
 
 
 def test_a_reader_that_found_no_answer_leaves_the_first_one():

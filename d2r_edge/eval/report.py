@@ -250,6 +250,21 @@ def _ablation_lines(ab: dict | None) -> list[str]:
     return lines
 
 
+def _group_choice_lines(rows: list[dict]) -> list[str]:
+    """Which signal groups the calibrated detector kept, and whether its training side could choose them."""
+    fit = next((r.get("fit") for r in rows if r.get("score") == "calibrated" and "file" not in r), None) or {}
+    if "groups_kept" not in fit:
+        return []
+    lines = ["", f"The calibrated detector's signal groups (chosen on the {fit.get('n')} training queries): kept "
+                 f"{', '.join(fit['groups_kept']) or '-'}; dropped {', '.join(fit.get('groups_dropped') or []) or '-'}; "
+                 f"missing on every training query (never kept) {', '.join(fit.get('groups_missing') or []) or '-'}."]
+    if fit.get("selection_reliable") is False:
+        lines[-1] += (f" **The training side is too small to select on**: its smaller class holds "
+                      f"{fit.get('selection_smaller_class')} queries, and which groups were kept is close to fold "
+                      f"noise; read the kept groups as a guess, and the ablation below for what each group carries.")
+    return lines
+
+
 def _diff_cell(row: dict) -> str:
     d = row.get("auroc_minus_alg1_nli")
     if not d or d.get("mean") is None:
@@ -410,6 +425,7 @@ def markdown(summary: dict) -> str:
                           f"`calibrated` {_num(cv['calibrated_auroc'], '.3f')}{spread} (mean +- sd over the seeds)."
                           + (f" The gate these training figures choose: `{cv['gate_by_training_cv']}`."
                              if cv.get("gate_by_training_cv") else "")]
+        lines += _group_choice_lines(det)
     lines += _ablation_lines(summary.get("detection_ablation"))
     lines += selective_lines(summary.get("selective"))
     d = summary["diagnosis"]
