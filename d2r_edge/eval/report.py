@@ -255,9 +255,10 @@ def _group_choice_lines(rows: list[dict]) -> list[str]:
     fit = next((r.get("fit") for r in rows if r.get("score") == "calibrated" and "file" not in r), None) or {}
     if "groups_kept" not in fit:
         return []
+    named = {k: ", ".join(fit.get(k) or []) or "-" for k in ("groups_kept", "groups_dropped", "groups_missing")}
     lines = ["", f"The calibrated detector's signal groups (chosen on the {fit.get('n')} training queries): kept "
-                 f"{', '.join(fit['groups_kept']) or '-'}; dropped {', '.join(fit.get('groups_dropped') or []) or '-'}; "
-                 f"missing on every training query (never kept) {', '.join(fit.get('groups_missing') or []) or '-'}."]
+                 f"{named['groups_kept']}; dropped {named['groups_dropped']}; missing on every training query "
+                 f"(never kept) {named['groups_missing']}."]
     if fit.get("selection_reliable") is False:
         lines[-1] += (f" **The training side is too small to select on**: its smaller class holds "
                       f"{fit.get('selection_smaller_class')} queries, and which groups were kept is close to fold "
