@@ -84,5 +84,10 @@ def test_features_of_one_attempt():
     assert f["ret_top1"] == 3.0 and f["ret_gap"] == 2.0 and f["n_passages"] == 2.0
     assert f["q_ent_max"] == pytest.approx(0.7) and f["q_bearing_share"] == 0.5 and f["r_entailing_share"] == 0.5
     assert features(_attempt("Marseille"), fact_verification=False)["qa_answer_in_passage"] == 0.0
+    # in which passage (issue 53): the first one holding the answer, by retrieval rank; none: one past the last
+    assert f["qa_answer_first_rank"] == 0.0
+    assert features(_attempt("Lyon"), fact_verification=False)["qa_answer_first_rank"] == 1.0
+    assert features(_attempt("Marseille"), fact_verification=False)["qa_answer_first_rank"] == 2.0
+    assert features(_attempt("Ly"), fact_verification=False)["qa_answer_first_rank"] == 2.0    # words, not letters
     fv = features(_attempt("Paris is the capital", Label.REFUTES), fact_verification=True)
     assert set(fv) == set(feature_names(True)) and fv["label_refutes"] == 1.0 and fv["label_supports"] == 0.0
