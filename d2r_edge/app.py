@@ -56,6 +56,7 @@ class RunSettings:
     self_consistency: int = 0              # openai generator: N more samples per answer (d2r_edge.consistency)
     sample_temperature: float = 0.7
     self_check: bool = False               # openai generator: P(True) of each first answer, one more request
+    self_check_samples: bool = False       # ... with the self-consistency samples shown in it (Kadavath sec. 3.3)
     policy_path: Path | None = None
     policy_kind: str = "linucb"
     alpha: float = 2.0
@@ -94,6 +95,9 @@ class RunSettings:
         if self.self_check and self.generator != "openai":
             raise ConfigError(f"--self-check asks an LLM about its own answer; the {self.generator} generator has "
                               f"none to ask (use --generator openai)")
+        if self.self_check_samples and not (self.self_check and self.self_consistency):
+            raise ConfigError("--self-check-samples shows the self-consistency samples in the self-check: give "
+                              "--self-check and --self-consistency N (N >= 1) too")
         if self.self_consistency and self.generator != "openai":
             raise ConfigError(f"--self-consistency samples an LLM; the {self.generator} generator is deterministic "
                               f"(use --generator openai, or leave it at 0)")

@@ -204,7 +204,7 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
                       allow_random_weights=args.allow_random_weights, generator=args.generator,
                       base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
                       timeout_s=args.timeout_s, self_consistency=args.self_consistency,
-                      self_check=args.self_check,
+                      self_check=args.self_check, self_check_samples=args.self_check_samples,
                       sample_temperature=args.sample_temperature, alpha=args.alpha, budget=budget, seed=args.seed,
                       qa_hypothesis=args.qa_hypothesis, evidence_titles=not args.bare_passages,
                       gate=Gate(args.gate), response_nli=ResponseNLI.ALL,   # detection reads every pair
@@ -258,6 +258,7 @@ def _settings(args: argparse.Namespace):
         allow_random_weights=args.allow_random_weights, generator=args.generator,
         base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
         timeout_s=args.timeout_s, self_consistency=args.self_consistency, self_check=args.self_check,
+        self_check_samples=args.self_check_samples,
         sample_temperature=args.sample_temperature, policy_path=Path(args.policy) if args.policy else None,
         policy_kind=args.policy_kind, alpha=args.alpha, budget=budget,
         reward=RewardConfig(gates=not args.unconstrained, cost_weighting=not args.unweighted,
@@ -535,6 +536,9 @@ def _generator_args(p: argparse.ArgumentParser, key_flag: str = "--api-key-env")
                    help="openai generator: one more request per first answer asks the model whether its answer "
                         "is correct (True/False); P(True) from the first token's top log-probabilities becomes "
                         "the detector's self_check signal (Kadavath et al. 2022)")
+    p.add_argument("--self-check-samples", action="store_true",
+                   help="with --self-check and --self-consistency N: the self-check request shows the N samples "
+                        "as brainstormed answers before the proposed one (Kadavath et al. 2022, sec. 3.3)")
     p.add_argument("--budget-latency-s", type=float, default=None,
                    help="seconds per repair action (paper: 3 s). Without this and --budget-latency-x: 3 s "
                         "for the extractive generator, 1.5x the query's first attempt for an LLM server")

@@ -246,9 +246,10 @@ class Pipeline:
             answer = gen.label.value if gen.label is not None else Label.NOT_ENOUGH_INFO.value
         else:
             answer = gen.response
+        shown = (gen.samples or ()) if getattr(self.generator, "self_check_samples", False) else ()
         t0 = time.perf_counter()
         try:
-            p, took_s = self.generator.p_true(self.task, query, texts, answer)
+            p, took_s = self.generator.p_true(self.task, query, texts, answer, *((tuple(shown),) if shown else ()))
         except RECOVERABLE as exc:
             log.warning("self-check of %r failed, P(True) missing: %s", query[:60], exc)
             return gen

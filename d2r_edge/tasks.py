@@ -49,16 +49,23 @@ def build_prompt(task: Task, style: PromptStyle, query: str, passages: list[str]
     return Prompt(table["system"], table[style.value].format(query=query, evidence=evidence))
 
 
-def build_self_check(task: Task, query: str, passages: list[str], answer: str) -> Prompt:
-    """The P(True) question (issue 53): the task's passages and query, the proposed answer, True or False?"""
+def build_self_check(task: Task, query: str, passages: list[str], answer: str,
+                     samples: tuple[str, ...] = ()) -> Prompt:
+    """The P(True) question (issue 53): the task's passages and query, the proposed answer, True or False?
+    With `samples` (the self-consistency answers), they are shown first as brainstormed answers."""
     table = _templates()[task.value]
     evidence = "\n".join(f"[{i + 1}] {p}" for i, p in enumerate(passages)) or "(no passages found)"
+    if samples:
+        listed = "\n".join(f"- {s}" for s in samples)
+        return Prompt(table["system"], table["self_check_samples"].format(query=query, evidence=evidence,
+                                                                          answer=answer, samples=listed))
     return Prompt(table["system"], table["self_check"].format(query=query, evidence=evidence, answer=answer))
 
 
-def self_check_sha256(task: Task) -> str:
+def self_check_sha256(task: Task, with_samples: bool = False) -> str:
     table = _templates()[task.value]
-    return hashlib.sha256(f"{table['system']}\n{table['self_check']}".encode()).hexdigest()
+    key = "self_check_samples" if with_samples else "self_check"
+    return hashlib.sha256(f"{table['system']}\n{table[key]}".encode()).hexdigest()
 
 
 def template_sha256(task: Task, style: PromptStyle) -> str:

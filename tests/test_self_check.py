@@ -151,3 +151,62 @@ def test_a_signal_missing_on_every_training_query_is_left_out():
     y = (x[:, names.index("q_ent_max")] + rng.normal(scale=0.5, size=60)) > 0
     det = Detector.fit(x, y, names, "qa", groups=feature_groups(False))
     assert "self_check" in det.fit_stats["groups_missing"] and "self_check" not in det.fit_stats["groups_kept"]
+
+
+class _CheckedWithSamples(_Checked):
+    """Draws samples and shows them in the self-check (self_check_samples)."""
+
+    self_check_samples = True
+
+    def generate(self, task, style, query, passages, sample=True):
+        from dataclasses import replace
+
+        return replace(super().generate(task, style, query, passages), samples=("SUPPORTS", "REFUTES") if sample
+                       else None)
+
+    def p_true(self, task, query, passages, answer, samples=()):
+        self.shown = samples
+        return super().p_true(task, query, passages, answer)
+
+
+def test_the_self_check_can_show_the_samples_as_brainstormed_answers(tmp_path):
+    """Kadavath et al. 2022 sec. 3.3: P(True) asked with the model's own samples shown; its own prompt and cache
+    rows (a plain self-check never replays one asked with samples, or the reverse)."""
+    from dataclasses import replace
+
+    from test_gate import _pipeline
+
+    from d2r_edge.app import RunSettings
+    from d2r_edge.detector import Gate
+    from d2r_edge.errors import ConfigError
+    from d2r_edge.eval.outcomes import CachedGenerator
+
+    from test_gate import _Diagnoser
+
+    class _TakesSamples(_Diagnoser):
+        def diagnose(self, query, passages, response, label, fact_verification, samples=None):
+            return super().diagnose(query, passages, response, label, fact_verification)
+
+    gen = _CheckedWithSamples()
+    p = replace(_pipeline(Gate.PAPER, None), generator=gen, diagnoser=_TakesSamples())
+    _, first, _ = p.run_attempts("wrong flagged", learn=False)
+    assert gen.shown == ("SUPPORTS", "REFUTES") and first.generation.p_true == 0.8
+    with ScriptedServer() as srv:
+        client = OpenAICompatible(srv.url, "m", max_retries=0, self_check=True, self_check_samples=True)
+        cache = CachedGenerator(client, tmp_path / "g.jsonl")
+        srv.replies += [(200, _verdict([("True", math.log(0.6)), ("False", math.log(0.4))])),
+                        (200, _verdict([("True", math.log(0.2)), ("False", math.log(0.8))]))]
+        args = (Task.QA, "Where is the Louvre?", ["The Louvre is in Paris."], "Paris")
+        with_samples = cache.p_true(*args, ("Paris", "Lyon"))[0]
+        user = srv.seen[-1]["messages"][1]["content"]
+        assert "Brainstormed answers:\n- Paris\n- Lyon\nProposed answer: Paris" in user
+        plain = cache.p_true(*args)[0]
+        assert "Brainstormed" not in srv.seen[-1]["messages"][1]["content"]
+        assert (with_samples, plain) == (pytest.approx(0.6), pytest.approx(0.2)) and len(srv.seen) == 2
+        assert cache.p_true(*args, ("Paris", "Lyon"))[0] == pytest.approx(0.6) and len(srv.seen) == 2
+        srv.replies += [(200, _verdict([("True", -0.1)]))]
+        assert cache.p_true(*args, ("Paris", "Rome"))[0] == 1.0 and len(srv.seen) == 3   # other samples: asked
+        cache.close()
+    with pytest.raises(ConfigError, match="--self-consistency"):
+        RunSettings(kb=tmp_path, models=tmp_path, task=Task.QA, generator="openai", self_check=True,
+                    self_check_samples=True)

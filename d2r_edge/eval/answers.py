@@ -212,6 +212,7 @@ def fingerprint(s: EvalSettings, kb_input_sha256: str) -> dict:
             **({"test_limit_per_file": s.test_limit_per_file} if s.test_limit_per_file is not None else {}),
             **({"self_consistency": [run.self_consistency, run.sample_temperature]}
                if getattr(run, "self_consistency", 0) else {}),
+            **({"self_check_samples": True} if getattr(run, "self_check_samples", False) else {}),
             "test": [str(p) for p in s.test], "test_offset": s.test_offset,
             "evidence_titles": run.evidence_titles, "arms": list(ARM_NAMES), "gate": run.gate.value,
             "extra_docs": [str(p) for p in s.extra_docs], "kb_input_sha256": kb_input_sha256,

@@ -362,18 +362,24 @@ class CachedGenerator:
     def self_check(self) -> bool:
         return bool(getattr(self.inner, "self_check", False))
 
-    def p_true(self, task, query: str, passages: list[str], answer: str) -> tuple[float | None, float]:
+    @property
+    def self_check_samples(self) -> bool:
+        return bool(getattr(self.inner, "self_check_samples", False))
+
+    def p_true(self, task, query: str, passages: list[str], answer: str,
+               samples: tuple[str, ...] = ()) -> tuple[float | None, float]:
         """The inner generator's self-check, kept on disk beside the answers (a row of its own, keyed by
-        the served model, the self-check prompt, the query, the passages and the answer): a run that adds
-        the self-check to cached answers pays only for the self-check."""
-        req = [self.identity, "self_check", self_check_sha256(task), task.value, query, passages, answer]
+        the served model, the self-check prompt, the query, the passages and the answer, and the samples
+        shown when there are any): a run that adds the self-check to cached answers pays only for it."""
+        req = [self.identity, "self_check", self_check_sha256(task, bool(samples)), task.value, query, passages,
+               answer] + ([list(samples)] if samples else [])
         key = hashlib.sha256(json.dumps(req, ensure_ascii=False).encode()).hexdigest()
         row = self._cache.get(key)
         if row is not None:
             self.hits += 1
             return _p_true(row), float(row.get("latency_s") or 0.0)
         self.calls += 1
-        p, took_s = self.inner.p_true(task, query, passages, answer)
+        p, took_s = self.inner.p_true(task, query, passages, answer, *((samples,) if samples else ()))
         self.add({"key": key, "self_check": True, "p_true": p, "latency_s": took_s})
         return p, took_s
 

@@ -122,6 +122,7 @@ class OpenAICompatible:
     samples: int = 0                  # self-consistency: this many more answers at sample_temperature
     sample_temperature: float = 0.7
     self_check: bool = False          # P(True): one more request asking the model whether its answer is right
+    self_check_samples: bool = False  # ... with the self-consistency samples shown in that request
     name: str = "openai"
     _client: httpx.Client | None = field(default=None, init=False, repr=False, compare=False)
     _client_pid: int = field(default=0, init=False, repr=False, compare=False)
@@ -359,16 +360,18 @@ class OpenAICompatible:
             gen = replace(gen, samples=drawn, samples_s=time.perf_counter() - t0)
         return gen
 
-    def p_true(self, task: Task, query: str, passages: list[str], answer: str) -> tuple[float | None, float]:
+    def p_true(self, task: Task, query: str, passages: list[str], answer: str,
+               samples: tuple[str, ...] = ()) -> tuple[float | None, float]:
         """(the model's P(True) that `answer` is right, the seconds the request took): Kadavath et al.
         2022's self-check, one greedy token after the question, P(True) / (P(True) + P(False)) over the
         first token's top log-probabilities. P(True) is None when the server gives no log-probabilities
         or neither word is among the top tokens (missing, not 0.5). The pipeline asks it for a query's
-        first answer when `self_check` is set; a failed request raises GeneratorError."""
+        first answer when `self_check` is set; a failed request raises GeneratorError. `samples`: shown in the
+        question as brainstormed answers (`self_check_samples`)."""
         if not self.logprobs:
             return None, 0.0
         t0 = time.perf_counter()
-        prompt = build_self_check(task, query, passages, answer)
+        prompt = build_self_check(task, query, passages, answer, samples)
         out = self.complete([{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}],
                             max_tokens=1, json_mode=False, temperature=0.0, top_logprobs=10)
         return p_true_from_top(out.first_top), time.perf_counter() - t0

@@ -44,7 +44,8 @@ def _openai(settings, enc: Encoders):
 
     return OpenAICompatible(settings.base_url, settings.model, api_key_env=settings.api_key_env,
                             timeout_s=settings.timeout_s, samples=settings.self_consistency,
-                            sample_temperature=settings.sample_temperature, self_check=settings.self_check)
+                            sample_temperature=settings.sample_temperature, self_check=settings.self_check,
+                            self_check_samples=settings.self_check_samples)
 
 
 GENERATORS: dict[str, GeneratorSpec] = {spec.name: spec for spec in (
