@@ -215,6 +215,7 @@ def cmd_eval_answers(args: argparse.Namespace) -> int:
                      test_limit_per_file=args.test_limit_per_file, test_offset=args.test_offset,
                      split=Split(args.split), methods=methods, extra_docs=tuple(map(Path, args.extra_docs)),
                      run=run, epochs=args.epochs, bootstrap_resamples=args.bootstrap,
+                     methods_cv_folds=args.methods_cv,
                      generation_cache=Path(args.generation_cache) if args.generation_cache else None)
     attempts = None                     # where the attempts run is the caller's choice (this process)
     if args.engine == "ray":
@@ -676,6 +677,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="more KB documents (JSONL id, title, text), e.g. distractors")
     p.add_argument("--epochs", type=int, default=2, help="policy training passes (paper: 2)")
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples for the intervals")
+    p.add_argument("--methods-cv", type=int, default=0, metavar="K",
+                   help="also score every method (but the oracle) by K-fold cross-validation over the training "
+                        "queries, each re-chosen on K-1 folds: which one should be the default, chosen without "
+                        "the test queries (every allowed arm of the gated training queries is computed)")
     p.add_argument("--generation-cache", default=None, metavar="FILE",
                    help="generator answers by request (default OUT/generations.jsonl); point two "
                         "evaluations of the same generator at one file to share the LLM calls")

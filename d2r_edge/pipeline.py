@@ -108,6 +108,9 @@ class Pipeline:
     trust: Certificate | None = None            # trusted: the final answer's P(wrong) <= its certified threshold
     abstain_text: str | None = None             # set: an untrusted final answer becomes this stated abstention
     vote_k: int = 0                             # >= 2: repair by a P(right)-weighted vote of the k cheapest arms
+    # an evaluation's cross-validation over its training queries (eval.method_cv): every query is one the
+    # detector was fitted on, so each gets its out-of-fold P(wrong), frozen or learning
+    out_of_fold_always: bool = False
     # the policy (select/update) and a refresh, when queries run in parallel threads
     state_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
@@ -165,6 +168,11 @@ class Pipeline:
             p_wrong_first = self.detector.assess(first, fv, training_query)[0]
         p_wrong_second = self.detector.assess(second, fv)[0]
         return self.comparator.decide(first, second, arm, p_wrong_first, p_wrong_second, fv)
+
+    def _fitted_on(self, query: str, learn: bool) -> str | None:
+        """The query as the detector's training query (its out-of-fold P(wrong)) while a policy learns from
+        it, or always in an evaluation's training cross-validation; else None (the detector's own P(wrong))."""
+        return query if learn or self.out_of_fold_always else None
 
     def repairs(self, first: Attempt, training_query: str | None = None) -> bool:
         return self.assess(first, training_query)[0]
@@ -329,7 +337,7 @@ class Pipeline:
         first.timings_s["embed_query_s"] = first.timings_s.get("embed_query_s", embed_s)
         rec = {"first": first.summary(), "failure": first.diagnosis.failure.value, "repair": None}
         t_gate = time.perf_counter()
-        repair, p_wrong, signals = self.assess(first, query if learn else None)
+        repair, p_wrong, signals = self.assess(first, self._fitted_on(query, learn))
         if self.trust is not None and not repair and not self.trust.trusted(p_wrong):
             repair = True           # an answer that would be withheld or marked untrusted gets its repair first
             rec["repair_reason"] = "untrusted"
@@ -427,7 +435,7 @@ class Pipeline:
         select_s = time.perf_counter() - t0
         fv = self.task.fact_verification
         if p_wrong is None:
-            p_wrong = self.detector.assess(first, fv, query if learn else None)[0]
+            p_wrong = self.detector.assess(first, fv, self._fitted_on(query, learn))[0]
         attempts, costs = [first], []
         for arm in arms:
             a, cost = self.metered_attempt(query, ARMS[arm].apply(self.default), q_vec, first=first)
@@ -481,7 +489,7 @@ class Pipeline:
         second, cost = self.metered_attempt(query, ARMS[arm].apply(self.default), q_vec, first=first)
         d2 = second.diagnosis
         p_wrong_after = self.repaired_p_wrong(second)
-        decision = self.accept_or_revert(first, second, arm, p_wrong, training_query=query if learn else None)
+        decision = self.accept_or_revert(first, second, arm, p_wrong, training_query=self._fitted_on(query, learn))
         r = reward(no_failure=d2.failure is FailureType.NO_FAILURE,
                    kg_consistent=d2.kg is KGStatus.CONSISTENT,
                    nli_entailed=d2.e_r is Entailment.ENTAILMENT,

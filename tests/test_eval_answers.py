@@ -682,3 +682,34 @@ def test_the_accept_methods_keep_the_answer_their_comparator_trusts(tmp_path, ti
         assert s["methods"][method]["reverted"] == len(recs) and s["methods"][method]["right_to_wrong"] == 0
         if method == "best_fixed_accept":
             assert {r["id"] for r in recs} == {r["id"] for r in plain.values() if r["repaired"]}
+
+
+def test_the_methods_training_cv_scores_each_training_query_once_out_of_fold(tmp_path, tiny_models, fever_file):
+    """Issue 51: the default method is chosen on the training queries by K-fold cross-validation: each fold's
+    methods re-chosen on the other folds, every training query scored once, held out, with its out-of-fold
+    P(wrong) (the detector was fitted on it), and the same queries gated as when the methods trained."""
+    from d2r_edge.detector import Detector
+
+    out = tmp_path / "out"
+    _evaluate_hashed(fever_file, tiny_models, out, 40, "--gate", "calibrated", "--methods",
+                     "naive,best_fixed,linucb", "--methods-cv", "4")
+    s = json.loads((out / "summary.json").read_text())
+    cv = s["methods_train_cv"]
+    assert cv["folds"] == 4 and cv["n"] == 40 and set(cv["methods"]) == {"naive", "best_fixed", "linucb"}
+    assert cv["methods"]["naive"]["delta_vs_naive"] == 0.0 and cv["default_by_training_cv"] in ("best_fixed", "linucb")
+    det = Detector.load(out / "detector.json", fact_verification=True)
+    for m in ("naive", "best_fixed", "linucb"):
+        folds = [[json.loads(x) for x in (out / "train-cv" / f"fold{k}" / "methods" / f"{m}.jsonl").read_text()
+                  .splitlines()] for k in range(4)]
+        ids = [r["id"] for recs in folds for r in recs]
+        assert len(ids) == len(set(ids)) == 40 and all(9 <= len(recs) <= 11 for recs in folds)
+        for recs in folds:
+            for r in recs:        # gated exactly by the out-of-fold P(wrong) the record carries
+                assert not r["repaired"] or r["p_wrong"] >= det.threshold
+    naive = [r for k in range(4) for r in
+             map(json.loads, (out / "train-cv" / f"fold{k}" / "methods" / "naive.jsonl").read_text().splitlines())]
+    in_sample = [det.p_wrong_of_signals(r["detector_signals"]) for r in naive]
+    # out of fold, not the detector's own P(wrong) of queries it was fitted on
+    assert sum(abs(r["p_wrong"] - p) > 1e-9 for r, p in zip(naive, in_sample)) >= 30
+    assert (out / "train-cv" / "fold0" / "policies" / "linucb.npz").is_file()
+    assert "Which method should be the default" in (out / "report.md").read_text()

@@ -37,6 +37,7 @@ from d2r_edge.eval.context import (
     parse_methods,
 )
 from d2r_edge.eval.detection import DETECTOR_FILE, fit_detector
+from d2r_edge.eval.method_cv import methods_cv
 from d2r_edge.eval.methods import best_fixed_arm, run_method
 from d2r_edge.eval.outcomes import AttemptStore, CachedGenerator
 from d2r_edge.eval.querysets import EvalQuery, QuerySet, load_queryset
@@ -350,8 +351,10 @@ def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Co
         # every allowed arm of a failing query: on the test queries for the oracle and the arm
         # table, on the training queries for best_fixed; the policies pick among the same outcomes.
         every_arm = {q.id for q in ctx.test} if Method.ORACLE in s.methods or attempts is not None else set()
-        if Method.BEST_FIXED in s.methods or set(ACCEPT_METHODS) & set(s.methods) or set(VOTE_METHODS) & set(s.methods):
-            # best_fixed's choice, the accept/revert comparator's training pairs, the vote's arm latencies
+        if Method.BEST_FIXED in s.methods or set(ACCEPT_METHODS) & set(s.methods) or set(VOTE_METHODS) & set(s.methods) \
+                or s.methods_cv_folds:
+            # best_fixed's choice, the accept/revert comparator's training pairs, the vote's arm latencies, the
+            # methods' training CV (each fold's choices read them)
             every_arm |= {q.id for q in ctx.train}
         todo = [(q.text, q.id in every_arm) for q in ctx.train + ctx.test]
         compute(run, s, todo, ctx)
@@ -395,6 +398,9 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
                  "answers_per_query": _answers_per_query(ctx)}
         if Method.BEST_FIXED in s.methods:
             extra["best_fixed_arm"] = ARM_NAMES[best_fixed_arm(ctx)]
+        if s.methods_cv_folds:
+            with ctx.phase("methods' training cross-validation"):
+                extra["methods_train_cv"] = methods_cv(ctx, s.methods, s.methods_cv_folds)
         if not s.task.fact_verification:
             extra["qa_hypothesis"] = _form(run)
             extra["hypothesis_forms_on_train"] = hypothesis_forms(ctx)

@@ -112,6 +112,7 @@ class EvalSettings:
     epochs: int = 2
     bootstrap_resamples: int = 10_000
     generation_cache: Path | None = None   # default OUT/generations.jsonl; share it between evaluations
+    methods_cv_folds: int = 0              # >= 2: the methods' K-fold training CV (eval.method_cv); 0: off
 
     def __post_init__(self) -> None:
         if not self.train or not self.test:
@@ -132,6 +133,8 @@ class EvalSettings:
             raise InputError(f"--epochs must be an integer >= 1, got {self.epochs!r}")
         if not isinstance(self.bootstrap_resamples, int) or self.bootstrap_resamples < 100:
             raise InputError(f"--bootstrap must be an integer >= 100, got {self.bootstrap_resamples!r}")
+        if not isinstance(self.methods_cv_folds, int) or self.methods_cv_folds < 0 or self.methods_cv_folds == 1:
+            raise InputError(f"--methods-cv must be 0 (off) or an integer >= 2, got {self.methods_cv_folds!r}")
         if self.run is None:
             raise InputError("EvalSettings.run must be a RunSettings (generator, budgets, seed)")
 
@@ -162,6 +165,9 @@ class Context:
     # generator answers / server requests (a sampled answer is 1 + N requests); a resumed run counts its own
     phases: dict[str, dict] = field(default_factory=dict)
     comparator: object = field(default=None, repr=False)    # the accept methods' (eval.methods.comparator)
+    # a cross-validation over the training queries (eval.method_cv): its held-out queries are training
+    # queries too, scored with their out-of-fold P(wrong)
+    cv: bool = False
 
     @contextmanager
     def phase(self, name: str):
@@ -190,6 +196,10 @@ class Context:
 
     def arm_outcome(self, q: EvalQuery, arm: int):
         return self.pipeline.metered_attempt(q.text, ARMS[arm].apply(self.pipeline.default))
+
+    def fitted_on(self, q: EvalQuery) -> str | None:
+        """The query's text where the detector was fitted on it (a cross-validation's held-out query), else None."""
+        return q.text if self.cv else None
 
     def repairs(self, first, training_query: str | None = None) -> bool:
         """Whether the gate (Alg. 1's flags, or the calibrated detector) sends this first answer to repair.

@@ -35,7 +35,7 @@ def _record(ctx: Context, q: EvalQuery, method: Method, first, final, arm: int |
     fa, la = ctx.answer(first), ctx.answer(final)
     c1, f1_first = ctx.score(q, fa)
     c2, f1_final = ctx.score(q, la)
-    _, p_wrong, signals = ctx.pipeline.assess(first)
+    _, p_wrong, signals = ctx.pipeline.assess(first, ctx.fitted_on(q))
     budget = budget.for_attempt(attempt_seconds(first))    # a relative budget: this query's bound
     return {
         "id": q.id, "method": method.value, "first_failure": first.diagnosis.failure.value,
@@ -60,7 +60,7 @@ def _record(ctx: Context, q: EvalQuery, method: Method, first, final, arm: int |
 def _fixed(ctx: Context, q: EvalQuery, method: Method, arm: int, accepting=None) -> dict:
     """`accepting`: the pipeline with the comparator (the *_accept methods), which keeps or reverts the repair."""
     first = ctx.first(q)
-    if not ctx.repairs(first) or not ctx.allowed(first)[arm]:
+    if not ctx.repairs(first, ctx.fitted_on(q)) or not ctx.allowed(first)[arm]:
         # a baseline whose arm the UNVERIFIED rule forbids, or the loaded models cannot run,
         # leaves the answer as it was
         why = ctx.pipeline.arms.reason(arm)
@@ -69,7 +69,7 @@ def _fixed(ctx: Context, q: EvalQuery, method: Method, arm: int, accepting=None)
     final, cost = ctx.arm_outcome(q, arm)
     if accepting is None:
         return _record(ctx, q, method, first, final, arm, cost, ctx.pipeline.budget)
-    decision = accepting.accept_or_revert(first, final, arm, None)
+    decision = accepting.accept_or_revert(first, final, arm, None, training_query=ctx.fitted_on(q))
     kept = final if decision.kept is Kept.REPAIRED else first
     return _record(ctx, q, method, first, kept, arm, cost, ctx.pipeline.budget,
                    {"kept": decision.kept.value, "accept": decision.to_record()})
@@ -117,7 +117,7 @@ def _oracle(ctx: Context, q: EvalQuery) -> dict:
     """Post-hoc: every allowed arm is tried and the best outcome counts; keeping the first
     answer is a candidate too, so the oracle bounds every fixed-arm method from above."""
     first = ctx.first(q)
-    if not ctx.repairs(first):
+    if not ctx.repairs(first, ctx.fitted_on(q)):
         return _record(ctx, q, Method.ORACLE, first, first, None, None, ctx.pipeline.budget)
     best = (ctx.score(q, ctx.answer(first)), 1, 0.0)
     choice = (first, None, None)
@@ -147,7 +147,7 @@ def _vote(ctx: Context, q: EvalQuery, method: Method, arm_s: np.ndarray) -> dict
     weighted by 1 - the detector's P(wrong); the record's cost is the arms' summed latency."""
     p = ctx.pipeline
     first = ctx.first(q)
-    if not ctx.repairs(first):
+    if not ctx.repairs(first, ctx.fitted_on(q)):
         return _record(ctx, q, method, first, first, None, None, p.budget)
     fv = ctx.settings.task.fact_verification
     spent_s = attempt_seconds(first)
@@ -157,7 +157,7 @@ def _vote(ctx: Context, q: EvalQuery, method: Method, arm_s: np.ndarray) -> dict
         return _record(ctx, q, method, first, first, None, None, p.budget)
     outs = [ctx.arm_outcome(q, a) for a in arms]
     attempts = [first] + [a for a, _ in outs]
-    weights = [1.0 - p.detector.assess(a, fv)[0] for a in attempts]
+    weights = [1.0 - p.detector.assess(a, fv, ctx.fitted_on(q) if a is first else None)[0] for a in attempts]
     answers = [ctx.answer(a) for a in attempts]
     ballot = tally(q.text, answers, weights, fv, getattr(p.diagnoser, "nli", None))
     cost = replace(outs[0][1], latency_s=sum(c.latency_s for _, c in outs),
@@ -213,7 +213,7 @@ def policy_pipeline(ctx: Context, method: Method):
     run = replace(ctx.settings.run, policy_kind=spec.kind, policy_path=None)
     policy, costs = load_policy(run, base.context)
     return replace(base, policy=policy, costs=costs, budget=budget, reward_cfg=spec.reward, explorer=None,
-                   comparator=comparator(ctx) if spec.accept else None)
+                   comparator=comparator(ctx) if spec.accept else None, out_of_fold_always=ctx.cv)
 
 
 def train_policy(ctx: Context, method: Method):

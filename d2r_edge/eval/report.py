@@ -250,6 +250,23 @@ def _ablation_lines(ab: dict | None) -> list[str]:
     return lines
 
 
+def methods_cv_lines(cv: dict | None) -> list[str]:
+    """The methods' training cross-validation (eval.method_cv) and the default it chooses."""
+    if not cv:
+        return []
+    key = cv["metric"]
+    lines = ["", f"## Which method should be the default: {cv['folds']}-fold cross-validation on the {cv['n']} "
+                 "training queries", ""]
+    lines += _table(["method", key, "delta vs naive [95% CI]", "wrong->right", "right->wrong", "repaired"],
+                    [[m, f"{r[key]:.3f}", f"{100 * r['delta_vs_naive']:+.1f} [{100 * r['ci95'][0]:+.1f}, "
+                      f"{100 * r['ci95'][1]:+.1f}]", str(r["wrong_to_right"]), str(r["right_to_wrong"]),
+                      str(r["repaired"])] for m, r in sorted(cv["methods"].items(),
+                                                             key=lambda kv: -kv[1]["delta_vs_naive"])])
+    lines += ["", f"Rule: {cv['rule']}. Current default `{cv['current_default']}`; the training CV chooses "
+                  f"`{cv['default_by_training_cv']}`. Caveat: {cv['leak']}."]
+    return lines
+
+
 def _group_choice_lines(rows: list[dict]) -> list[str]:
     """Which signal groups the calibrated detector kept, and whether its training side could choose them."""
     fit = next((r.get("fit") for r in rows if r.get("score") == "calibrated" and "file" not in r), None) or {}
@@ -395,6 +412,7 @@ def markdown(summary: dict) -> str:
               "passages (the NLI, no LLM judge). Repaired: share of queries given a repair.", ""]
     if summary.get("best_fixed_arm"):
         lines.append(f"best_fixed uses `{summary['best_fixed_arm']}` (best mean reward on the training queries).")
+    lines += methods_cv_lines(summary.get("methods_train_cv"))
     forms = summary.get("hypothesis_forms_on_train")
     if forms:
         lines += ["", f"## QA: the answer as NLI hypothesis (training queries; this run used "
