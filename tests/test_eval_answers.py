@@ -272,6 +272,25 @@ def test_a_moved_folder_with_its_data_elsewhere_resumes_without_recomputing(eval
     assert main(_args(data / fever_file.name, tiny_models, moved)) != 0
 
 
+def test_a_folder_from_before_an_arm_this_task_never_uses_resumes(evaluated, tiny_models, fever_file, tmp_path):
+    """Issue 51's fresh FEVER run was written before the reader_span arm (questions only) existed: its folder
+    holds what this version computes for claims, so it resumes; a folder lacking an arm FEVER runs is refused."""
+    import shutil
+
+    out, s = evaluated
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    settings = json.loads((old / "settings.json").read_text())
+    assert "reader_span" in settings["arms"]
+    before = {**settings, "arms": [a for a in settings["arms"] if a != "reader_span"]}
+    (old / "settings.json").write_text(json.dumps(before))
+    assert main(_args(fever_file, tiny_models, old)) == 0
+    assert json.loads((old / "settings.json").read_text())["arms"] == settings["arms"]
+    assert json.loads((old / "summary.json").read_text())["methods"]["linucb"] == s["methods"]["linucb"]
+    (old / "settings.json").write_text(json.dumps({**before, "arms": [a for a in before["arms"] if a != "rerank"]}))
+    assert main(_args(fever_file, tiny_models, old)) == InputError.exit_code
+
+
 _RUN = _HASH_NLI + '''
 import sys
 from d2r_edge.cli import main

@@ -238,6 +238,15 @@ def _moved(have: dict, want: dict, diff: list[str]) -> bool:
                for k in _PATH_KEYS)
 
 
+def _only_arms_the_task_cannot_use(have: dict, want: dict, diff: list[str], task: Task) -> bool:
+    """Only the arm list differs, by arms this task never runs (FEVER: reader_span, which answers questions):
+    what the folder holds is what this version would compute (records name arms, never index them)."""
+    if diff != ["arms"] or not isinstance(have.get("arms"), list):
+        return False
+    never = {a.name for a in ARMS if a.reader_answer and task.fact_verification}
+    return [a for a in want["arms"] if a not in never] == [a for a in have["arms"] if a not in never]
+
+
 def _check_out(s: EvalSettings, kb_input_sha256: str) -> None:
     s.out.mkdir(parents=True, exist_ok=True)
     path, want = s.out / "settings.json", fingerprint(s, kb_input_sha256)
@@ -261,6 +270,10 @@ def _check_out(s: EvalSettings, kb_input_sha256: str) -> None:
         diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
         if _moved(have, want, diff):
             log.info("%s: the query files are the same under other paths (a moved folder); resuming", s.out)
+            path.write_text(json.dumps(want, indent=1) + "\n", encoding="utf-8")
+        elif _only_arms_the_task_cannot_use(have, want, diff, s.task):
+            log.info("%s: written before the arms %s existed, which this task never uses; resuming", s.out,
+                     ", ".join(sorted(set(want["arms"]) - set(have["arms"]))))
             path.write_text(json.dumps(want, indent=1) + "\n", encoding="utf-8")
         elif diff:
             raise InputError(f"{s.out} holds an evaluation with other settings ({', '.join(diff)} differ); "
