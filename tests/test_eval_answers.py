@@ -291,6 +291,15 @@ def test_a_folder_from_before_an_arm_this_task_never_uses_resumes(evaluated, tin
     assert main(_args(fever_file, tiny_models, old)) == InputError.exit_code
 
 
+
+def test_the_unverified_rule_ablation_is_another_evaluation(evaluated, tiny_models, fever_file, capsys):
+    """--no-unverified-rule lets other arms act on UNVERIFIED answers: its records must never be mixed into a
+    folder whose methods ran under the rule (the rule was missing from the folder's settings)."""
+    out, _ = evaluated
+    assert main(_args(fever_file, tiny_models, out, "--no-unverified-rule")) == InputError.exit_code
+    assert "unverified_rule differ" in capsys.readouterr().err
+
+
 _RUN = _HASH_NLI + '''
 import sys
 from d2r_edge.cli import main

@@ -214,6 +214,8 @@ def fingerprint(s: EvalSettings, kb_input_sha256: str) -> dict:
             **({"self_consistency": [run.self_consistency, run.sample_temperature]}
                if getattr(run, "self_consistency", 0) else {}),
             **({"self_check_samples": True} if getattr(run, "self_check_samples", False) else {}),
+            # which arms the methods may pick on UNVERIFIED answers (the records differ without the rule)
+            **({"unverified_rule": False} if not getattr(run, "unverified_rule", True) else {}),
             "test": [str(p) for p in s.test], "test_offset": s.test_offset,
             "evidence_titles": run.evidence_titles, "arms": list(ARM_NAMES), "gate": run.gate.value,
             "extra_docs": [str(p) for p in s.extra_docs], "kb_input_sha256": kb_input_sha256,
