@@ -455,6 +455,9 @@ def test_the_ablation_finds_the_signal_that_carries_detection(tmp_path):
     costs = ab["costs_s"]
     assert costs["answer with log-probs (log_probs, answer)"]["median"] == pytest.approx(2.5)
     assert costs["samples (self_consistency)"] is None                # no samples drawn: no cost claimed
+    load = ab["generator_per_query"]
+    assert load["samples (self_consistency)"] is None and load["self-check request (self_check)"] is None
+    assert load["answer with log-probs (log_probs, answer)"]["requests"] == 1.0
     text = "\n".join(_ablation_lines(ab))
     assert "Label `f1_below_half`" in text and "| only log_probs |" in text
 

@@ -210,3 +210,25 @@ def test_the_self_check_can_show_the_samples_as_brainstormed_answers(tmp_path):
     with pytest.raises(ConfigError, match="--self-consistency"):
         RunSettings(kb=tmp_path, models=tmp_path, task=Task.QA, generator="openai", self_check=True,
                     self_check_samples=True)
+
+
+def test_the_ablation_counts_what_each_signal_asks_of_the_generator():
+    """Issue 53's cost per signal in generator terms: the self-check 1 request and 1 token, the samples N requests
+    of about the answer's length, the answer its own tokens; nothing claimed for a signal no query had."""
+    from dataclasses import replace
+
+    from test_detector import _attempt
+
+    from d2r_edge.eval.ablation import signal_generator_load
+
+    def with_gen(**kw):
+        a = _attempt("Paris")
+        return replace(a, generation=replace(a.generation, **kw))
+
+    firsts = [with_gen(logprobs=(-0.1, -0.2, -0.3), samples=("Paris",) * 4, p_true=0.4) for _ in range(3)]
+    load = signal_generator_load(firsts)
+    assert load["answer with log-probs (log_probs, answer)"] == {"requests": 1.0, "generated_tokens": 3.0}
+    assert load["samples (self_consistency)"] == {"requests": 4.0, "generated_tokens": 12.0}
+    assert load["self-check request (self_check)"] == {"requests": 1.0, "generated_tokens": 1.0}
+    bare = signal_generator_load([with_gen(logprobs=(-0.1,))])
+    assert bare["samples (self_consistency)"] is None and bare["self-check request (self_check)"] is None

@@ -22,7 +22,11 @@ Cost per query (seconds, from the first attempts' recorded stage times): the NLI
 behind the NLI and grounding groups (`diagnose_s`, which for QA also clusters the
 samples), the samples behind self-consistency (`samples_s`), the self-check's request
 (`p_true_s`), the reader (`reader_s`, its share of `diagnose_s`), the answer itself (`generate_s`
-without those; its log-probabilities come with it), retrieval.
+without those; its log-probabilities come with it), retrieval. Beside it, what each signal asks of
+the generator per query (`signal_generator_load`): requests, and tokens generated - the self-check
+exactly one (max_tokens 1), the answer its own tokens (the log-probabilities' count, without the
+JSON around it), each sample counted as long as the greedy answer (an estimate: a replayed sample's
+length is not stored); the NLI pairs, the reader and retrieval ask nothing of it.
 """
 
 from __future__ import annotations
@@ -118,6 +122,20 @@ def signal_costs(firsts) -> dict[str, dict[str, float]]:
             "retrieval (retrieval)": stats([x.get("retrieve_s", 0.0) + x.get("embed_query_s", 0.0) for x in t])}
 
 
+def signal_generator_load(firsts) -> dict[str, dict[str, float] | None]:
+    """Median generator requests and generated tokens per query of each signal that asks the generator
+    (module docstring); None for a signal no first attempt had."""
+    answer_tokens = [len(a.generation.logprobs) for a in firsts if a.generation.logprobs]
+    med = float(np.median(answer_tokens)) if answer_tokens else None
+    n_samples = [len(a.generation.samples) for a in firsts if a.generation.samples]
+    checked = [a for a in firsts if a.generation.p_true is not None or "p_true_s" in a.timings_s]
+    return {"answer with log-probs (log_probs, answer)": {"requests": 1.0, "generated_tokens": med},
+            "samples (self_consistency)": None if not n_samples else
+            {"requests": float(np.median(n_samples)),
+             "generated_tokens": None if med is None else float(np.median(n_samples)) * med},
+            "self-check request (self_check)": {"requests": 1.0, "generated_tokens": 1.0} if checked else None}
+
+
 def ablation(ctx, cv_seeds: int = CV_SEEDS) -> dict | None:
     """The tables of the module docstring over ctx's training and test queries; None without test
     queries, {"skipped": why} with fewer than MIN_TRAIN training queries."""
@@ -136,7 +154,8 @@ def ablation(ctx, cv_seeds: int = CV_SEEDS) -> dict | None:
     alg1_train = [alg1_score(a.diagnosis) for a in train_firsts]
     alg1_test = [alg1_score(a.diagnosis) for a in test_firsts]
     out = {"groups": {g: list(v) for g, v in groups.items()}, "labels": {},
-           "costs_s": signal_costs(train_firsts + test_firsts), "cv_fold_seeds": cv_seeds}
+           "costs_s": signal_costs(train_firsts + test_firsts),
+           "generator_per_query": signal_generator_load(train_firsts + test_firsts), "cv_fold_seeds": cv_seeds}
     for label in y_train:
         yt, ye = y_train[label], y_test[label]
         alg1 = _row("alg1_nli", None, alg1_test, ye, None, ctx.settings.bootstrap_resamples)

@@ -245,8 +245,14 @@ def _ablation_lines(ab: dict | None) -> list[str]:
     costs = ab.get("costs_s") or {}
     lines += ["", f"Training CV: stratified 5-fold over {ab.get('cv_fold_seeds')} fold seeds, training queries only. "
                   "Cost per query of what each group needs (seconds over every first attempt):", ""]
-    lines += _table(["signal", "median s", "p90 s"],
-                    [[k, _num((v or {}).get("median")), _num((v or {}).get("p90"))] for k, v in costs.items()])
+    load = ab.get("generator_per_query") or {}
+    lines += _table(["signal", "median s", "p90 s", "generator requests", "generated tokens"],
+                    [[k, _num((v or {}).get("median")), _num((v or {}).get("p90")),
+                      _num((load.get(k) or {}).get("requests"), ".0f") if load.get(k) else "0",
+                      _num((load.get(k) or {}).get("generated_tokens"), ".0f") if load.get(k) else "0"]
+                     for k, v in costs.items()])
+    lines += ["", "Generated tokens: the self-check exactly 1; the answer its own tokens (JSON wrapper aside); a "
+                  "sample counted as long as the greedy answer (estimate)."]
     return lines
 
 
