@@ -455,7 +455,10 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 def _pipeline_args(p: argparse.ArgumentParser, generator_key_flag: str = "--api-key-env") -> None:
     """What RunSettings reads (`_settings`): run, train and serve."""
     p.add_argument("--policy", default=None, help="policy .npz (loaded if present; train saves it)")
-    p.add_argument("--policy-kind", default="linucb", choices=["linucb", "thompson"])
+    p.add_argument("--policy-kind", default=None, choices=["linucb", "thompson", "fixed"],
+                   help="the repair policy: LinUCB (the paper's), Thompson Sampling, or the best fixed arm (one arm "
+                        "for every repair, the best mean reward; train tries every allowed arm). Default: a --policy "
+                        "file's own kind, else the task's choice by training cross-validation: fever fixed, qa linucb")
     p.add_argument("--alpha", type=float, default=2.0, help="LinUCB exploration (paper: 2)")
     _generator_args(p, generator_key_flag)
     p.add_argument("--unconstrained", action="store_true", help="ablation: no hard budget gates in the reward")

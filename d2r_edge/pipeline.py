@@ -111,6 +111,9 @@ class Pipeline:
     # an evaluation's cross-validation over its training queries (eval.method_cv): every query is one the
     # detector was fitted on, so each gets its out-of-fold P(wrong), frozen or learning
     out_of_fold_always: bool = False
+    # `d2r-edge train` with a full-information policy (the best fixed arm): every allowed arm of a repaired
+    # query is tried and each updates the policy (the record's repair lists them under `updates`)
+    learn_every_arm: bool = False
     # the policy (select/update) and a refresh, when queries run in parallel threads
     state_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
@@ -477,8 +480,11 @@ class Pipeline:
         x = self.context.build(q_vec, d.failure, d.kg, d.e_q, d.e_r, remaining_s, remaining_mib, budget,
                                p_wrong=p_wrong)
         masked = self.costs.mask(budget, allowed)
+        every = learn and self.learn_every_arm and getattr(self.policy, "full_information", False)
         with self.state_lock:
-            if self.explorer is not None and learn:
+            if every:
+                arm, propensity, explored = -1, None, False      # chosen below, once every arm has been seen
+            elif self.explorer is not None and learn:
                 decision = self.explorer.decide(self.policy, x, masked.allowed)
                 arm, propensity, explored = decision.arm, decision.propensity, decision.explored
             else:
@@ -486,27 +492,23 @@ class Pipeline:
                 key = None if learn else query
                 arm, propensity, explored = self.policy.select(x, masked.allowed, key=key), None, False
         policy_s = time.perf_counter() - t0
-        second, cost = self.metered_attempt(query, ARMS[arm].apply(self.default), q_vec, first=first)
-        d2 = second.diagnosis
-        p_wrong_after = self.repaired_p_wrong(second)
-        decision = self.accept_or_revert(first, second, arm, p_wrong, training_query=self._fitted_on(query, learn))
-        r = reward(no_failure=d2.failure is FailureType.NO_FAILURE,
-                   kg_consistent=d2.kg is KGStatus.CONSISTENT,
-                   nli_entailed=d2.e_r is Entailment.ENTAILMENT,
-                   latency_s=cost.latency_s, device_mem_mib=cost.mem_growth_mib,
-                   budget=budget, cfg=self.reward_cfg, p_wrong=p_wrong_after)
-        if decision is not None and decision.kept is Kept.FIRST:
-            r = 0.0         # a reverted repair gave the user nothing
-        self.costs.observe(arm, cost.latency_s, cost.mem_growth_mib)
+        tried = {a: self._try_arm(query, q_vec, first, a, budget, p_wrong, learn)
+                 for a in ([int(i) for i in np.flatnonzero(masked.allowed)] if every else [arm])}
         t1 = time.perf_counter()
-        updates_after = None
+        updates_after, logged = None, []
         if learn:
             with self.state_lock:
-                self.policy.update(arm, x, r)
-                # the policy's update count with this one: a restart replays the logged updates
+                for a, (_, cost_a, _, r_a, _) in tried.items():
+                    self.policy.update(a, x, r_a)
+                    logged.append({"arm_index": a, "reward": r_a, "latency_s": cost_a.latency_s,
+                                   "mem_growth_mib": cost_a.mem_growth_mib})
+                if every:
+                    arm = self.policy.select(x, masked.allowed)
+                # the policy's update count with these: a restart replays the logged updates
                 # its last checkpoint lacks (Runtime.replay)
                 updates_after = updates_of(self.policy)
         policy_s += time.perf_counter() - t1
+        second, cost, decision, r, p_wrong_after = tried[arm]
         return {
             "allowed": [ARM_NAMES[i] for i in np.flatnonzero(allowed)],
             "cost_masked": [ARM_NAMES[i] for i in np.flatnonzero(allowed & ~masked.allowed)],
@@ -523,4 +525,23 @@ class Pipeline:
             "replayed_s": second.generation.replayed_s,     # of generate_s, a cached answer's original time
             "kept": Kept.REPAIRED.value if decision is None else decision.kept.value,
             "accept": None if decision is None else decision.to_record(),
+            **({"updates": logged} if every else {}),
         }, (first if decision is not None and decision.kept is Kept.FIRST else second)
+
+    def _try_arm(self, query: str, q_vec: np.ndarray, first: Attempt, arm: int, budget: Budget,
+                 p_wrong: float | None, learn: bool) -> tuple[Attempt, Measurement, Decision | None, float, float | None]:
+        """One repair with `arm`: (its attempt, cost, the accept/revert decision, its Eq. 2 reward - 0 when
+        reverted -, its P(wrong)); its cost is observed by the cost model."""
+        second, cost = self.metered_attempt(query, ARMS[arm].apply(self.default), q_vec, first=first)
+        d2 = second.diagnosis
+        p_wrong_after = self.repaired_p_wrong(second)
+        decision = self.accept_or_revert(first, second, arm, p_wrong, training_query=self._fitted_on(query, learn))
+        r = reward(no_failure=d2.failure is FailureType.NO_FAILURE,
+                   kg_consistent=d2.kg is KGStatus.CONSISTENT,
+                   nli_entailed=d2.e_r is Entailment.ENTAILMENT,
+                   latency_s=cost.latency_s, device_mem_mib=cost.mem_growth_mib,
+                   budget=budget, cfg=self.reward_cfg, p_wrong=p_wrong_after)
+        if decision is not None and decision.kept is Kept.FIRST:
+            r = 0.0         # a reverted repair gave the user nothing
+        self.costs.observe(arm, cost.latency_s, cost.mem_growth_mib)
+        return second, cost, decision, r, p_wrong_after

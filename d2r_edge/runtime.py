@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 import d2r_edge.deadline as deadline
-from d2r_edge.app import build_pipeline, save_policy
+from d2r_edge.app import build_pipeline, logged_updates, save_policy
 from d2r_edge.deadline import DeadlineExceeded
 from d2r_edge.diagnose import Diagnosis, Label, shared_words
 from d2r_edge.errors import InputError
@@ -183,13 +183,18 @@ class Runtime:
         done = 0
         with self.pipeline.state_lock:
             for rep in repairs:
-                if rep.get("x") is None or int(rep.get("policy_updates") or 0) <= updates_of(self.pipeline.policy):
+                after = int(rep.get("policy_updates") or 0)
+                if rep.get("x") is None or after <= updates_of(self.pipeline.policy):
                     continue
-                self.pipeline.policy.update(int(rep["arm_index"]), np.asarray(rep["x"], dtype=float),
-                                            float(rep["reward"]))
-                self.pipeline.costs.observe(int(rep["arm_index"]), float(rep["latency_s"]),
-                                            float(rep["mem_growth_mib"]))
-                done += 1
+                updates = logged_updates(rep)
+                # the record's updates end at `after`: those past the policy's count are missing
+                missing = min(len(updates), after - updates_of(self.pipeline.policy))
+                for u in updates[len(updates) - missing:]:
+                    self.pipeline.policy.update(int(u["arm_index"]), np.asarray(rep["x"], dtype=float),
+                                                float(u["reward"]))
+                    self.pipeline.costs.observe(int(u["arm_index"]), float(u["latency_s"]),
+                                                float(u["mem_growth_mib"]))
+                    done += 1
         return done
 
     def verify(self, query: str, answer: str, passages: list | None = None, label: str | None = None) -> Verification:

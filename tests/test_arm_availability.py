@@ -33,6 +33,7 @@ def _pipeline(world, models: Path, **kw):
     from d2r_edge.app import RunSettings, build_pipeline
     from d2r_edge.tasks import Task
 
+    kw.setdefault("policy_kind", "linucb")        # a LinUCB's file is read below (FEVER's default: the fixed arm)
     p = build_pipeline(RunSettings(kb=world["kb"], models=models, task=Task.FEVER, allow_random_weights=True, **kw))
     p.diagnoser.nli = HashNLI(p.diagnoser.nli)
     return p

@@ -26,6 +26,7 @@ def world(tmp_path_factory, tiny_models, shared_data):
 def _settings(world, **kw):
     from d2r_edge.app import RunSettings
 
+    kw.setdefault("policy_kind", "linucb")        # these audit LinUCB's files (FEVER's default is the fixed arm)
     return RunSettings(kb=world["kb"], models=world["models"], task=Task.FEVER, allow_random_weights=True, **kw)
 
 

@@ -115,7 +115,7 @@ def test_train_two_epochs_then_resume_replays_nothing_twice(world, tiny_models, 
     _, _, qpath = world
     queries = load_queries(qpath)[:15]
     policy = tmp_path / "policy.npz"
-    p = _pipeline(world, tiny_models, policy_path=policy, create_policy=True)
+    p = _pipeline(world, tiny_models, policy_path=policy, create_policy=True, policy_kind="linucb")
     records = train(p, queries, tmp_path / "train.jsonl", policy, epochs=2)
     assert len(records) == 30 and {r["epoch"] for r in records} == {0, 1}
     n_updates = sum(1 for r in records if r.get("repair"))
@@ -205,7 +205,7 @@ from d2r_edge.app import RunSettings, build_pipeline, train
 from d2r_edge.runner import load_queries
 from d2r_edge.tasks import Task
 s = RunSettings(kb=Path(sys.argv[1]), models=Path(sys.argv[2]), task=Task.FEVER,
-                allow_random_weights=True, policy_path=Path(sys.argv[4]), create_policy=True)
+                allow_random_weights=True, policy_path=Path(sys.argv[4]), create_policy=True, policy_kind="linucb")
 p = build_pipeline(s)
 p.diagnoser.nli = HashNLI(p.diagnoser.nli)
 train(p, load_queries(Path(sys.argv[3]))[:25], Path(sys.argv[4]).with_suffix(".jsonl"), s.policy_path, 2)
@@ -282,7 +282,7 @@ def test_train_with_the_calibrated_gate_fits_the_detector_and_run_uses_it(world,
     common = ["--kb", str(kb_dir), "--task", "fever", "--models", str(tiny_models), "--allow-random-weights",
               "--queries", str(qpath), "--limit", "30"]
     assert main(["train", *common, "--out", str(tmp_path / "t.jsonl"), "--policy", str(policy),
-                 "--gate", "calibrated", "--epochs", "1"]) == 0
+                 "--gate", "calibrated", "--epochs", "1", "--policy-kind", "linucb"]) == 0
     det = json.loads((tmp_path / "p.detector.json").read_text())      # beside the policy
     assert det["fit"]["n"] == 30 and det["task"] == "fever"
     pol = LinUCB.load(policy)

@@ -80,6 +80,16 @@ def save_npz(path: Path | str, kind: str, arrays: dict[str, np.ndarray]) -> None
         raise
 
 
+def stored_kind(path: Path | str) -> str | None:
+    """The kind a policy file says it holds (linucb, thompson, fixed); None when unreadable (loading it
+    then says why)."""
+    try:
+        with np.load(Path(path), allow_pickle=False) as z:
+            return str(z["kind"]) if "kind" in z.files else None
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError):
+        return None
+
+
 def load_npz(path: Path | str, kind: str, *, expect_dim: int | None = None,
              expect_arms: list[str] | None = None) -> dict[str, np.ndarray]:
     path = Path(path)

@@ -1,0 +1,101 @@
+"""The best fixed arm as a policy (issue 51: FEVER's default, chosen by the methods' training CV).
+
+- select: the allowed arm with the best mean Eq. 2 reward among those tried (ties: the lower index; none
+  tried: the first allowed); updates refine the chosen arm's mean; the file round-trips and a damaged
+  one is refused;
+- `train` is full-information with it: every allowed arm of a repaired query is tried and each updates
+  the policy (the record lists them), and a crash replays exactly the updates the saved file lacks;
+- the default kind: FEVER fixed, QA LinUCB, and an existing --policy file's own kind.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_loop import _pipeline, world  # noqa: F401  (the module-scoped KB and claims)
+
+from d2r_edge.app import RunSettings, policy_kind, train
+from d2r_edge.errors import PolicyError, PolicyFileError
+from d2r_edge.policy import BestFixed, LinUCB, updates_of
+from d2r_edge.runner import load_queries
+from d2r_edge.tasks import Task
+
+
+def test_select_takes_the_best_mean_among_allowed_and_tried_arms(tmp_path):
+    p = BestFixed(4, arm_names=["a", "b", "c", "d"])
+    assert p.select() == 0 and p.select(allowed=[2, 3]) == 2          # untrained: the first allowed
+    for arm, r in ((1, 0.9), (1, 0.5), (2, 0.6), (3, 0.2)):
+        p.update(arm, None, r)
+    assert p.means()[1] == pytest.approx(0.7) and np.isnan(p.means()[0])
+    assert p.select() == 1 and p.select(allowed=[0, 2, 3]) == 2 and p.select(allowed=[0]) == 0
+    assert updates_of(p) == 4
+    with pytest.raises(PolicyError):
+        p.update(1, None, 1.5)                                          # Eq. 2 rewards are in [0, 1]
+    p.save(tmp_path / "f.npz")
+    back = BestFixed.load(tmp_path / "f.npz", arm_names=["a", "b", "c", "d"])
+    assert np.array_equal(back.counts, p.counts) and np.allclose(back.sums, p.sums) and back.select() == 1
+    with pytest.raises(PolicyFileError, match="4 arms"):
+        BestFixed.load(tmp_path / "f.npz", arm_names=["a", "b", "c", "d", "e"])
+    z = dict(np.load(tmp_path / "f.npz"))
+    z["sums"] = z["sums"] + 5.0                                         # more reward than tries: damaged
+    np.savez(tmp_path / "bad.npz", **z)
+    with pytest.raises(PolicyFileError, match="damaged"):
+        BestFixed.load(tmp_path / "bad.npz")
+    with pytest.raises(PolicyFileError, match="holds a fixed policy, not linucb"):
+        LinUCB.load(tmp_path / "f.npz")
+
+
+def test_the_default_kind_is_the_tasks_or_the_files_own(tmp_path):
+    fever = RunSettings(kb=tmp_path, models=tmp_path, task=Task.FEVER)
+    qa = RunSettings(kb=tmp_path, models=tmp_path, task=Task.QA)
+    assert (policy_kind(fever), policy_kind(qa)) == ("fixed", "linucb")
+    LinUCB(3, 2, 1.0).save(tmp_path / "l.npz")
+    trained = RunSettings(kb=tmp_path, models=tmp_path, task=Task.FEVER, policy_path=tmp_path / "l.npz")
+    assert policy_kind(trained) == "linucb"                       # trained with the old default: still read
+    asked = RunSettings(kb=tmp_path, models=tmp_path, task=Task.QA, policy_kind="fixed")
+    assert policy_kind(asked) == "fixed"
+
+
+def test_train_tries_every_allowed_arm_and_a_crash_replays_what_the_file_lacks(world, tiny_models,  # noqa: F811
+                                                                              tmp_path):
+    _, _, qpath = world
+    queries = load_queries(qpath)[:12]
+    policy = tmp_path / "fixed.npz"
+    p = _pipeline(world, tiny_models, policy_path=policy, create_policy=True)
+    assert isinstance(p.policy, BestFixed)                        # FEVER's default
+    records = train(p, queries, tmp_path / "train.jsonl", policy, epochs=1)
+    repaired = [r for r in records if r.get("repair")]
+    assert repaired
+    total = 0
+    for r in repaired:
+        rep = r["repair"]
+        tried = [u["arm_index"] for u in rep["updates"]]
+        offered = set(rep["allowed"]) - set(rep["cost_masked"])
+        assert {p.policy.arm_names[i] for i in tried} == offered and len(tried) == len(offered)
+        assert rep["arm"] in offered and rep["policy_updates"] == total + len(tried)
+        chosen = next(u for u in rep["updates"] if u["arm_index"] == rep["arm_index"])
+        assert rep["reward"] == chosen["reward"]
+        total += len(tried)
+    saved = BestFixed.load(policy)
+    assert updates_of(saved) == total and np.allclose(saved.sums, p.policy.sums)
+    # the saved file lost its last updates (a crash between two saves): replayed from the log, once
+    stale = BestFixed(len(saved.arm_names), arm_names=saved.arm_names)
+    stale.save(policy)
+    again = _pipeline(world, tiny_models, policy_path=policy)
+    assert len(train(again, queries, tmp_path / "train.jsonl", policy, epochs=1)) == len(records)
+    back = BestFixed.load(policy)
+    assert updates_of(back) == total and np.allclose(back.sums, saved.sums)
+
+
+def test_serving_replays_a_full_information_record_from_where_the_policy_stands(world, tiny_models):  # noqa: F811
+    from d2r_edge.runtime import Runtime
+
+    p = _pipeline(world, tiny_models)
+    rt = Runtime.__new__(Runtime)
+    rt.pipeline = p
+    updates = [{"arm_index": 2, "reward": 0.5, "latency_s": 0.1, "mem_growth_mib": 0.0},
+               {"arm_index": 4, "reward": 1.0, "latency_s": 0.1, "mem_growth_mib": 0.0}]
+    p.policy.update(2, None, 0.5)                                  # the first of the two is already in
+    rep = {"x": [0.0], "policy_updates": 2, "updates": updates, "arm_index": 4, "reward": 1.0}
+    assert rt.replay([rep]) == 1 and updates_of(p.policy) == 2 and p.policy.select() == 4
+    assert rt.replay([rep]) == 0
