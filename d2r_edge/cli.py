@@ -673,7 +673,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--methods", default=None, help="comma-separated (default: all): " + ", ".join(
         m.value for m in DEFAULT_METHODS) + "; also linucb_detector, thompson_detector (reward from the calibrated "
-        "detector), " + ", ".join(m.value for m in ACCEPT_METHODS) + " (accept or revert each repair by the "
+        "detector), best_fixed_labeled (the arm that fixed the most training answers net of those it broke, by "
+        "their gold labels), " + ", ".join(m.value for m in ACCEPT_METHODS) + " (accept or revert each repair by the "
         "comparator fitted on the training queries' outcomes) and " + ", ".join(m.value for m in VOTE_METHODS) +
         " (a P(right)-weighted vote of the k cheapest arms that fit the budget), not in the default")
     p.add_argument("--extra-docs", action="append", default=[], metavar="FILE",

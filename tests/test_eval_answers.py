@@ -741,3 +741,87 @@ def test_the_methods_training_cv_scores_each_training_query_once_out_of_fold(tmp
     assert sum(abs(r["p_wrong"] - p) > 1e-9 for r, p in zip(naive, in_sample)) >= 30
     assert (out / "train-cv" / "fold0" / "policies" / "linucb.npz").is_file()
     assert "Which method should be the default" in (out / "report.md").read_text()
+
+
+class _FlipWorld:
+    """A stand-in evaluation context for the arm choice by outcome: per query, whether the gate repairs it,
+    the first answer, the allowed arms and each arm's answer; 'right' is the gold answer of every query."""
+
+    def __init__(self, rows):
+        from types import SimpleNamespace
+
+        self.train = [SimpleNamespace(text=f"q{i}", row=row) for i, row in enumerate(rows)]
+
+    def first(self, q):
+        return ("first", q)
+
+    def repairs(self, first, training_query=None):
+        return first[1].row["gated"]
+
+    def allowed(self, first):
+        import numpy as np
+
+        from d2r_edge.repair import ARM_NAMES
+
+        return np.array([a in first[1].row["arms"] for a in ARM_NAMES])
+
+    def arm_outcome(self, q, arm):
+        from d2r_edge.repair import ARM_NAMES
+
+        return ("arm", q, ARM_NAMES[arm]), None
+
+    def answer(self, attempt):
+        kind, q = attempt[0], attempt[1]
+        return q.row["first"] if kind == "first" else q.row["arms"][attempt[2]]
+
+    def score(self, q, answer):
+        ok = float(answer == "right")
+        return ok, ok
+
+
+def test_best_fixed_labeled_picks_the_arm_that_fixes_most_net_of_what_it_breaks():
+    """best_fixed_labeled (qa-t1reader's finding: Eq. 2's reward chose an arm that fixes nothing): the arm with the
+    most gated training answers turned right, net of those it turned wrong, over the queries where it is allowed;
+    an ungated query's outcomes do not count, ties go to the arm that breaks fewer."""
+    from d2r_edge.eval.methods import arm_flips, labeled_fixed_arm
+    from d2r_edge.repair import ARM_NAMES
+
+    rows = [
+        {"gated": True, "first": "wrong", "arms": {"bm25_k10": "right", "reader_span": "wrong", "dense_k3": "right"}},
+        {"gated": True, "first": "wrong", "arms": {"bm25_k10": "right", "reader_span": "wrong", "dense_k3": "right"}},
+        {"gated": True, "first": "right", "arms": {"bm25_k10": "right", "reader_span": "wrong", "dense_k3": "wrong"}},
+        {"gated": True, "first": "wrong", "arms": {"reader_span": "right"}},          # bm25 not allowed here
+        # not gated: its fixes must not count (dense_k3 would lead with them)
+        {"gated": False, "first": "wrong", "arms": {"bm25_k10": "wrong", "dense_k3": "right", "reader_span": "x"}},
+        {"gated": False, "first": "wrong", "arms": {"bm25_k10": "wrong", "dense_k3": "right", "reader_span": "x"}},
+    ]
+    world = _FlipWorld(rows)
+    fixed, broken = arm_flips(world, world.train)
+    at = ARM_NAMES.index
+    assert (fixed[at("bm25_k10")], broken[at("bm25_k10")]) == (2, 0)
+    assert (fixed[at("dense_k3")], broken[at("dense_k3")]) == (2, 1)
+    assert (fixed[at("reader_span")], broken[at("reader_span")]) == (1, 1)
+    assert ARM_NAMES[labeled_fixed_arm(world)] == "bm25_k10"
+    # equal net gain (+1 each): the arm that breaks fewer wins
+    tie = _FlipWorld([{"gated": True, "first": "wrong", "arms": {"bm25_k10": "right", "dense_k3": "right"}},
+                      {"gated": True, "first": "right", "arms": {"bm25_k10": "wrong", "dense_k3": "right"}},
+                      {"gated": True, "first": "wrong", "arms": {"bm25_k10": "right", "dense_k3": "wrong"}}])
+    fixed, broken = arm_flips(tie, tie.train)
+    assert (fixed[at("bm25_k10")], broken[at("bm25_k10")], fixed[at("dense_k3")], broken[at("dense_k3")]) == (2, 1, 1, 0)
+    assert ARM_NAMES[labeled_fixed_arm(tie)] == "dense_k3"
+
+
+def test_eval_answers_runs_best_fixed_labeled_with_the_arm_its_training_flips_choose(tmp_path, tiny_models,
+                                                                                    fever_file):
+    """The method through eval answers: its arm is the one the summary's training flips rank first, and every
+    repaired test record carries it; the report names it with the flips."""
+    out = tmp_path / "out"
+    _evaluate_hashed(fever_file, tiny_models, out, 20, "--methods", "naive,best_fixed_labeled")
+    s = json.loads((out / "summary.json").read_text())
+    arm, flips = s["best_fixed_labeled_arm"], s["arm_flips_on_train"]
+    assert "best_fixed_labeled" in s["methods"]
+    net = {a: f["fixed"] - f["broken"] for a, f in flips.items()}      # an arm absent here flipped nothing: 0
+    assert not net or net.get(arm, 0) >= max(net.values())
+    recs = [r for r in _records(out, "best_fixed_labeled") if r["repaired"]]
+    assert all(r["arm"] == arm for r in recs)
+    assert f"best_fixed_labeled uses `{arm}`" in (out / "report.md").read_text()

@@ -27,6 +27,7 @@ from d2r_edge.detector import Gate
 from d2r_edge.errors import InputError
 from d2r_edge.eval.context import (
     ACCEPT_METHODS,
+    CHOSEN_ARM_METHODS,
     FIXED_ARMS,
     POLICY_METHODS,
     VOTE_METHODS,
@@ -38,7 +39,7 @@ from d2r_edge.eval.context import (
 )
 from d2r_edge.eval.detection import DETECTOR_FILE, fit_detector
 from d2r_edge.eval.method_cv import methods_cv
-from d2r_edge.eval.methods import best_fixed_arm, run_method
+from d2r_edge.eval.methods import arm_flips, best_fixed_arm, labeled_fixed_arm, run_method
 from d2r_edge.eval.outcomes import AttemptStore, CachedGenerator
 from d2r_edge.eval.querysets import EvalQuery, QuerySet, load_queryset
 from d2r_edge.eval.report import write_report
@@ -366,7 +367,8 @@ def open_context(s: EvalSettings, attempts: AttemptComputer | None = None) -> Co
         # every allowed arm of a failing query: on the test queries for the oracle and the arm
         # table, on the training queries for best_fixed; the policies pick among the same outcomes.
         every_arm = {q.id for q in ctx.test} if Method.ORACLE in s.methods or attempts is not None else set()
-        if Method.BEST_FIXED in s.methods or set(ACCEPT_METHODS) & set(s.methods) or set(VOTE_METHODS) & set(s.methods) \
+        if set(CHOSEN_ARM_METHODS) & set(s.methods) or set(ACCEPT_METHODS) & set(s.methods) \
+                or set(VOTE_METHODS) & set(s.methods) \
                 or s.methods_cv_folds:
             # best_fixed's choice, the accept/revert comparator's training pairs, the vote's arm latencies, the
             # methods' training CV (each fold's choices read them)
@@ -413,6 +415,11 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
                  "answers_per_query": _answers_per_query(ctx)}
         if Method.BEST_FIXED in s.methods:
             extra["best_fixed_arm"] = ARM_NAMES[best_fixed_arm(ctx)]
+        if Method.BEST_FIXED_LABELED in s.methods:
+            fixed, broken = arm_flips(ctx, ctx.train)
+            extra["best_fixed_labeled_arm"] = ARM_NAMES[labeled_fixed_arm(ctx)]
+            extra["arm_flips_on_train"] = {ARM_NAMES[a]: {"fixed": int(fixed[a]), "broken": int(broken[a])}
+                                           for a in range(len(ARM_NAMES)) if fixed[a] + broken[a]}
         if s.methods_cv_folds:
             with ctx.phase("methods' training cross-validation"):
                 extra["methods_train_cv"] = methods_cv(ctx, s.methods, s.methods_cv_folds)

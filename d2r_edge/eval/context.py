@@ -21,8 +21,8 @@ from d2r_edge.eval.split import Split
 from d2r_edge.repair import ARMS
 from d2r_edge.tasks import Task
 
-__all__ = ["ACCEPT_METHODS", "Context", "EvalQuery", "EvalSettings", "FIXED_ARMS", "Method", "POLICY_METHODS",
-           "PolicySpec", "parse_methods"]
+__all__ = ["ACCEPT_METHODS", "CHOSEN_ARM_METHODS", "Context", "EvalQuery", "EvalSettings", "FIXED_ARMS", "Method",
+           "POLICY_METHODS", "PolicySpec", "parse_methods"]
 
 
 class Method(str, Enum):
@@ -41,6 +41,8 @@ class Method(str, Enum):
     THOMPSON_DETECTOR = "thompson_detector"
     # accept or revert each repair with the comparator fitted on the training queries (d2r_edge.accept)
     BEST_FIXED_ACCEPT = "best_fixed_accept"
+    # the single arm with the most training answers fixed net of those broken (gold labels, not Eq. 2's reward)
+    BEST_FIXED_LABELED = "best_fixed_labeled"
     LINUCB_ACCEPT = "linucb_accept"
     THOMPSON_ACCEPT = "thompson_accept"
     # a P(right)-weighted vote of the k cheapest allowed arms that fit the budget, the first answer included
@@ -75,7 +77,9 @@ VOTE_METHODS = {Method.VOTE_K2: 2, Method.VOTE_K3: 3}     # k arms per vote (d2r
 # detector-reward policies need a detector the training queries can fit, the accept methods a comparator
 # fitted on every allowed arm of the training queries, the votes a detector and those arms' latencies)
 DEFAULT_METHODS = tuple(m for m in Method if m not in (Method.LINUCB_DETECTOR, Method.THOMPSON_DETECTOR,
-                                                        *ACCEPT_METHODS, *VOTE_METHODS))
+                                                        Method.BEST_FIXED_LABELED, *ACCEPT_METHODS, *VOTE_METHODS))
+# the methods that apply one arm chosen on the training queries' every-arm outcomes
+CHOSEN_ARM_METHODS = (Method.BEST_FIXED, Method.BEST_FIXED_ACCEPT, Method.BEST_FIXED_LABELED)
 FIXED_ARMS = {Method.PARAPHRASE: "prompt_paraphrase", Method.EXPANSION: "dense_k20"}
 
 

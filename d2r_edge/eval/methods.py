@@ -1,7 +1,9 @@
 """The methods of the answer evaluation, each a choice among the shared outcomes.
 
 `naive` keeps the first answer; `paraphrase` / `expansion` / `best_fixed` apply one
-arm to every failing query (where the UNVERIFIED rule allows it); the policy methods
+arm to every failing query (where the UNVERIFIED rule allows it; `best_fixed` the arm of
+the best mean Eq. 2 reward on the training queries, `best_fixed_labeled` the arm that
+fixed the most training answers net of those it broke); the policy methods
 are trained by Alg. 2 through the real pipeline and then frozen; `oracle` takes the
 best outcome post hoc. The `*_accept` methods keep the repaired answer only where the
 comparator fitted on the training queries trusts it more than the first
@@ -19,7 +21,8 @@ from d2r_edge.accept import Comparator, Kept, pair_features
 from d2r_edge.config import Budget, RewardQuality
 from d2r_edge.detector import record_signals
 from d2r_edge.errors import InputError
-from d2r_edge.eval.context import FIXED_ARMS, POLICY_METHODS, VOTE_METHODS, Context, EvalQuery, Method, QueryFailed
+from d2r_edge.eval.context import (CHOSEN_ARM_METHODS, FIXED_ARMS, POLICY_METHODS, VOTE_METHODS, Context, EvalQuery,
+                                   Method, QueryFailed)
 from d2r_edge.generate.openai_compat import GeneratorError
 from d2r_edge.pipeline import attempt_seconds
 from d2r_edge.repair import ARM_NAMES, ARMS
@@ -200,6 +203,32 @@ def best_fixed_arm(ctx: Context) -> int:
     return int(np.nanargmax(r))
 
 
+def arm_flips(ctx: Context, queries: list[EvalQuery]) -> tuple[np.ndarray, np.ndarray]:
+    """(fixed, broken) per arm over the gated queries where it is allowed: answers the arm turned from
+    wrong to right and from right to wrong, by the gold labels (what eval answers scores methods by)."""
+    fixed, broken = np.zeros(len(ARMS)), np.zeros(len(ARMS))
+    for q in queries:
+        first = ctx.first(q)
+        if not ctx.repairs(first, training_query=q.text):
+            continue
+        before = ctx.score(q, ctx.answer(first))[0]
+        for arm in np.flatnonzero(ctx.allowed(first)):
+            after = ctx.score(q, ctx.answer(ctx.arm_outcome(q, int(arm))[0]))[0]
+            fixed[arm] += after > before
+            broken[arm] += after < before
+    return fixed, broken
+
+
+def labeled_fixed_arm(ctx: Context) -> int:
+    """The single arm with the most training answers fixed net of those broken (ties: fewer broken, then
+    the lower index); Table 1's best fixed by outcome where Eq. 2's reward ranks by the NLI's entailment
+    and latency (on HotpotQA the reward chose an arm that fixes nothing, docs/runs/qa-t1reader)."""
+    fixed, broken = arm_flips(ctx, ctx.train)
+    if not (fixed + broken).any():
+        return best_fixed_arm(ctx)
+    return int(np.lexsort((np.arange(len(ARMS)), broken, -(fixed - broken)))[0])
+
+
 def policy_pipeline(ctx: Context, method: Method):
     """A pipeline for one policy method: its own policy, cost model, budget and reward config."""
     from d2r_edge.app import load_policy
@@ -279,8 +308,9 @@ def run_method(ctx: Context, method: Method) -> list[dict]:
             if method is Method.NAIVE:
                 make = lambda q: _record(ctx, q, method, ctx.first(q), ctx.first(q), None, None,  # noqa: E731
                                          ctx.pipeline.budget)
-            elif method in FIXED_ARMS or method in (Method.BEST_FIXED, Method.BEST_FIXED_ACCEPT):
-                arm = (ARM_NAMES.index(FIXED_ARMS[method]) if method in FIXED_ARMS else best_fixed_arm(ctx))
+            elif method in FIXED_ARMS or method in CHOSEN_ARM_METHODS:
+                arm = (ARM_NAMES.index(FIXED_ARMS[method]) if method in FIXED_ARMS
+                       else labeled_fixed_arm(ctx) if method is Method.BEST_FIXED_LABELED else best_fixed_arm(ctx))
                 accepting = (replace(ctx.pipeline, comparator=comparator(ctx))
                              if method is Method.BEST_FIXED_ACCEPT else None)
                 make = lambda q: _fixed(ctx, q, method, arm, accepting)  # noqa: E731

@@ -418,6 +418,11 @@ def markdown(summary: dict) -> str:
               "passages (the NLI, no LLM judge). Repaired: share of queries given a repair.", ""]
     if summary.get("best_fixed_arm"):
         lines.append(f"best_fixed uses `{summary['best_fixed_arm']}` (best mean reward on the training queries).")
+    if summary.get("best_fixed_labeled_arm"):
+        flips = ", ".join(f"`{a}` {f['fixed']}/{f['broken']}"
+                          for a, f in (summary.get("arm_flips_on_train") or {}).items())
+        lines.append(f"best_fixed_labeled uses `{summary['best_fixed_labeled_arm']}` (most training answers fixed "
+                     f"net of those broken; fixed/broken per arm on the gated training queries: {flips}).")
     lines += methods_cv_lines(summary.get("methods_train_cv"))
     forms = summary.get("hypothesis_forms_on_train")
     if forms:
