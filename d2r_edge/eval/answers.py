@@ -417,7 +417,7 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
             extra["best_fixed_arm"] = ARM_NAMES[best_fixed_arm(ctx)]
         if Method.BEST_FIXED_LABELED in s.methods:
             fixed, broken = arm_flips(ctx, ctx.train)
-            extra["best_fixed_labeled_arm"] = ARM_NAMES[labeled_fixed_arm(ctx)]
+            extra["best_fixed_labeled_arm"] = ARM_NAMES[labeled_fixed_arm(ctx, (fixed, broken))]
             extra["arm_flips_on_train"] = {ARM_NAMES[a]: {"fixed": int(fixed[a]), "broken": int(broken[a])}
                                            for a in range(len(ARM_NAMES)) if fixed[a] + broken[a]}
         if s.methods_cv_folds:

@@ -219,11 +219,12 @@ def arm_flips(ctx: Context, queries: list[EvalQuery]) -> tuple[np.ndarray, np.nd
     return fixed, broken
 
 
-def labeled_fixed_arm(ctx: Context) -> int:
+def labeled_fixed_arm(ctx: Context, flips: tuple[np.ndarray, np.ndarray] | None = None) -> int:
     """The single arm with the most training answers fixed net of those broken (ties: fewer broken, then
     the lower index); Table 1's best fixed by outcome where Eq. 2's reward ranks by the NLI's entailment
-    and latency (on HotpotQA the reward chose an arm that fixes nothing, docs/runs/qa-t1reader)."""
-    fixed, broken = arm_flips(ctx, ctx.train)
+    and latency (on HotpotQA the reward chose an arm that fixes nothing, docs/runs/qa-t1reader).
+    `flips`: arm_flips(ctx, ctx.train) where the caller already has it."""
+    fixed, broken = flips if flips is not None else arm_flips(ctx, ctx.train)
     if not (fixed + broken).any():
         return best_fixed_arm(ctx)
     return int(np.lexsort((np.arange(len(ARMS)), broken, -(fixed - broken)))[0])
