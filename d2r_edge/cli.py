@@ -77,7 +77,8 @@ def _finetune_settings(args: argparse.Namespace, preset: str = "full"):
     for flag, field_name in (("max_train_pairs", "max_train_pairs"), ("nli_general_epochs", "nli_general_epochs"),
                              ("nli_general_sources", "nli_general_sources"),
                              ("fever_train_pairs", "nli_fever_train_pairs"),
-                             ("fever_train_titles", "nli_fever_titles")):
+                             ("fever_train_titles", "nli_fever_titles"),
+                             ("reader_cloze", "reader_cloze_examples")):
         if getattr(args, flag) is not None:
             given[field_name] = getattr(args, flag)
     if not args.nli_augment:
@@ -613,6 +614,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fever-train-titles", choices=("bare", "subject", "drop"), default=None,
                    help="offline NLI: title line of the FEVER-train premises (their file has no page "
                         "titles): the claim's subject (default), none, or only sentences naming it")
+    p.add_argument("--reader-cloze", type=int, default=None, metavar="N",
+                   help="offline reader: first train on N cloze questions from FEVER 1.0 train (a name or "
+                        "number shared by a claim and its evidence, asked as a wh-question), then on the QA "
+                        "spans (default: the profile's preset; 0: none)")
     p.add_argument("--no-nli-augment", dest="nli_augment", action="store_false",
                    help="offline NLI: no synthetic pairs (negation flips and number swaps of "
                         "training FEVER claims)")

@@ -81,6 +81,10 @@ class FinetuneSettings:
     reader_batch_size: int = 16
     reader_max_length_tokens: int = 256     # question + passage: multi-hop paragraphs run to ~200 tokens
     reader_negatives: int = 1
+    # the reader's first stage: this many FEVER-train cloze questions (export/reader_cloze.py; 0: none),
+    # each with `reader_negatives` no-answer passages, for `reader_cloze_epochs` passes before the QA spans
+    reader_cloze_examples: int = 0
+    reader_cloze_epochs: int = 1
 
     def __post_init__(self) -> None:
         if self.nli_bf16 not in ("off", "on", "auto"):
@@ -126,8 +130,11 @@ class FinetuneSettings:
     def for_role(self, role: str) -> dict:
         """The settings that shape `role`'s training (its cache key)."""
         if role == "reader":        # its own settings and the shared ones (the NLI's and reranker's aside)
-            return {k: v for k, v in asdict(self).items()
-                    if not k.startswith(("nli_", "rerank_")) and k not in ("batch_size", "max_length_tokens")}
+            out = {k: v for k, v in asdict(self).items()
+                   if not k.startswith(("nli_", "rerank_")) and k not in ("batch_size", "max_length_tokens")}
+            if not self.reader_cloze_examples:      # absent: readers cached before the cloze stage stay valid
+                out = {k: v for k, v in out.items() if not k.startswith("reader_cloze_")}
+            return out
         nli = role in ("nli", "nli_general")
         out = {k: v for k, v in asdict(self).items()
                if not k.startswith("nli_" if not nli else "rerank_") and not k.startswith("reader_")}
@@ -350,25 +357,31 @@ def _train_reader(tok, init: Path, sets, s: FinetuneSettings, rng: np.random.Gen
         model = AutoModelForQuestionAnswering.from_pretrained(str(init))
     finally:
         hf_logging.set_verbosity(level)
-    ex = sets.train
-    # cut the passage, keep the question
-    enc = tok([e.question for e in ex], [e.passage for e in ex], truncation="only_second",
-              max_length=s.reader_max_length_tokens, return_offsets_mapping=True)
-    starts, ends, cut = span_labels(enc, ex)
-    starts, ends = torch.tensor(starts), torch.tensor(ends)
-    feats = {k: enc[k] for k in enc if k != "offset_mapping"}
-    lengths = [len(x) for x in enc["input_ids"]]
-    loop = _Loop("reader", model, s.reader_epochs * ((len(ex) + s.reader_batch_size - 1) // s.reader_batch_size),
-                 s.reader_learning_rate, s)
     loss_fn = torch.nn.CrossEntropyLoss()
-    for _ in range(s.reader_epochs):
-        for idx in _batches(lengths, s.reader_batch_size, rng):
-            batch = tok.pad({k: [feats[k][i] for i in idx] for k in feats}, return_tensors="pt")
-            out = model(**batch)
-            sel = torch.as_tensor(idx)
-            loop.step((loss_fn(out.start_logits, starts[sel]) + loss_fn(out.end_logits, ends[sel])) / 2)
-    return model, {**loop.stats(), "train_examples": len(ex), "answers_cut_by_truncation": cut,
-                   "data": sets.stats}
+
+    def stage(name: str, ex: list, epochs: int) -> dict:
+        # cut the passage, keep the question
+        enc = tok([e.question for e in ex], [e.passage for e in ex], truncation="only_second",
+                  max_length=s.reader_max_length_tokens, return_offsets_mapping=True)
+        starts, ends, cut = span_labels(enc, ex)
+        starts, ends = torch.tensor(starts), torch.tensor(ends)
+        feats = {k: enc[k] for k in enc if k != "offset_mapping"}
+        lengths = [len(x) for x in enc["input_ids"]]
+        loop = _Loop(name, model, epochs * ((len(ex) + s.reader_batch_size - 1) // s.reader_batch_size),
+                     s.reader_learning_rate, s)
+        for _ in range(epochs):
+            for idx in _batches(lengths, s.reader_batch_size, rng):
+                batch = tok.pad({k: [feats[k][i] for i in idx] for k in feats}, return_tensors="pt")
+                out = model(**batch)
+                sel = torch.as_tensor(idx)
+                loop.step((loss_fn(out.start_logits, starts[sel]) + loss_fn(out.end_logits, ends[sel])) / 2)
+        return {**loop.stats(), "train_examples": len(ex), "answers_cut_by_truncation": cut}
+
+    first = stage("reader-cloze", sets.pretrain, s.reader_cloze_epochs) if sets.pretrain else None
+    out = {**stage("reader", sets.train, s.reader_epochs), "data": sets.stats}
+    if first is not None:
+        out["cloze_stage"] = first
+    return model, out
 
 
 def train(role: str, init: Path, sets, out: Path, s: FinetuneSettings) -> dict:
@@ -410,6 +423,10 @@ def finetuned_checkpoint(role: str, base: Path, data_dir: Path, cache_dir: Path,
         sets = build_reader_sets(data_dir, s.exclude_files, s.seed, s.reader_negatives)
         if s.max_train_pairs:       # a quick build's cut, as for the NLI's pairs
             sets.train = sets.train[:s.max_train_pairs]
+        if s.reader_cloze_examples:
+            from d2r_edge_export.reader_cloze import cloze_for_reader
+
+            cloze_for_reader(sets, data_dir, s.reader_cloze_examples, s.seed, s.reader_negatives)
         return _reader_checkpoint(base, sha256_file(base / "model.safetensors"), sets, cache_dir, s)
     sets = build_pairs(data_dir, s.max_train_pairs, s.seed, s.rerank_fever_groups, s.nli_augment,
                        s.general_sources() if role == "nli" else None,

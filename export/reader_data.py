@@ -55,6 +55,10 @@ class ReaderQuestion:
 class ReaderSets:
     train: list[SpanExample] = field(default_factory=list)
     val: list[ReaderQuestion] = field(default_factory=list)
+    # the first stage's examples: FEVER-train cloze questions (export/reader_cloze.py), none by default
+    pretrain: list[SpanExample] = field(default_factory=list)
+    # the paragraphs of the excluded files' and the held-out questions: no pretraining text may be one of theirs
+    heldout_passages: set[str] = field(default_factory=set)
     files_sha256: dict[str, str] = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
 
@@ -67,6 +71,9 @@ class ReaderSets:
 
     def train_sha256(self) -> str:
         rows = [[e.question, e.passage, e.answer, e.answer_start] for e in self.train]
+        if self.pretrain:           # absent, not empty: readers trained before the cloze stage keep their key
+            rows = {"pretrain": [[e.question, e.passage, e.answer, e.answer_start] for e in self.pretrain],
+                    "train": rows}
         return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode()).hexdigest()
 
 
@@ -155,12 +162,14 @@ def build_reader_sets(data: Path, exclude_files: tuple[str, ...] = (), seed: int
         counts["questions"] += 1
         if key in left_out:
             counts["excluded"] += 1
+            sets.heldout_passages.update(q.passages)
             continue
         if key in seen:          # the IRCoT subsample repeats HotpotQA questions
             continue
         seen.add(key)
         answers = [a for a in q.answers if normalize_text(a) not in NOT_SPANS]
         if is_validation(q.question):
+            sets.heldout_passages.update(q.passages)
             if answers:
                 sets.val.append(ReaderQuestion(q.source, q.question, q.passages, tuple(answers)))
                 counts["validation"] += 1

@@ -27,7 +27,7 @@ def small_offline(tmp_path_factory, shared_data):
     logging.getLogger("optimum").setLevel(logging.ERROR)
     out = tmp_path_factory.mktemp("offline")
     settings = FinetuneSettings(nli_epochs=1, rerank_epochs=1, reader_epochs=1, max_train_pairs=256,
-                                nli_fever_train_pairs=128)
+                                nli_fever_train_pairs=128, reader_cloze_examples=32)
     # held-out sets, int8 calibration and parity cut (the build's figures are not what is tested here:
     # at full size they took 5 of this fixture's 7 minutes, at 240 pairs 2 of 3.7)
     path = run_export(ExportRequest("offline", models_dir=out, profiles_file=ROOT / "models" / "profiles.toml",
@@ -204,6 +204,10 @@ def test_manifest_is_traceable(small_offline):
     reader = raw["roles"]["reader"]
     assert reader["task"] == "extractive-qa-span" and reader["training"]["train_examples"] == 256
     assert reader["training"]["data"]["positives"] > 0 and reader["training"]["initialized_from"] == "base_model"
+    # the cloze stage ran first, on its own examples, and the manifest names FEVER train among the reader's files
+    cloze = reader["training"]["cloze_stage"]
+    assert cloze["train_examples"] == 64 == 2 * reader["training"]["data"]["cloze"]["positives"]
+    assert cloze["steps"] == 4 and "fever_train/train.jsonl.gz" in reader["training"]["data_files_sha256"]
     rv = reader["validation"]
     assert rv["heldout_questions"] == HELDOUT_LIMIT and {"em", "f1"} <= set(rv["reader_int8"]) <= set(rv["reader_fp32"])
     assert 0 <= rv["bm25_top_title"]["f1"] <= 1 and "span_agreement_vs_fp32" in reader["parity"]["int8"]
