@@ -363,6 +363,10 @@ def _check_detector(settings) -> None:
     if settings.reward.quality.value == "detector" and settings.detector_path is None:
         raise InputError("--reward-quality detector needs a fitted detector: give --detector FILE, or --policy "
                          "P.npz trained with `d2r-edge train --reward-quality detector` (it writes P.detector.json)")
+    if settings.reward.quality.value == "label":
+        raise InputError("--reward-quality label scores repairs by the queries' gold labels: it is for `d2r-edge "
+                         "train` only; a policy trained with it answers here with its arm choice as it is "
+                         "(use --reward-quality alg1 or detector for the rewards recorded here)")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -427,6 +431,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.limit:
         queries = queries[: args.limit]
     settings = dataclasses.replace(_settings(args), create_policy=True)   # train may start the file
+    unlabeled = [q.id for q in queries if not (q.label if settings.task.fact_verification else q.answer)]
+    if settings.reward.quality.value == "label" and unlabeled:
+        raise InputError(f"--reward-quality label scores each repair by the query's gold, and {len(unlabeled)} "
+                         f"queries have none (first: {unlabeled[0]}): give labeled queries "
+                         f"({'label' if settings.task.fact_verification else 'answer'} per line) or another quality")
     pipeline = build_pipeline(settings)
     if settings.needs_detector and pipeline.detector is None:
         # the gate decides what is repaired (the detector reward scores the repairs), so the detector
@@ -464,10 +473,12 @@ def _pipeline_args(p: argparse.ArgumentParser, generator_key_flag: str = "--api-
     _generator_args(p, generator_key_flag)
     p.add_argument("--unconstrained", action="store_true", help="ablation: no hard budget gates in the reward")
     p.add_argument("--unweighted", action="store_true", help="ablation: no cost weighting in the reward")
-    p.add_argument("--reward-quality", default="alg1", choices=["alg1", "detector"],
+    p.add_argument("--reward-quality", default="alg1", choices=["alg1", "detector", "label"],
                    help="the reward's quality term: alg1 = Eq. 2's NF/KG/NLI indicators of the repaired answer "
                         "(the paper); detector = 1 - the calibrated detector's P(wrong) of it (train fits the "
-                        "detector first, as for --gate calibrated); the budget terms stay Eq. 2's")
+                        "detector first, as for --gate calibrated); label = 1 when it is right by the query's gold "
+                        "(train on labeled queries only; with --policy-kind fixed: the arm that leaves the most "
+                        "training answers right); the budget terms stay Eq. 2's")
     p.add_argument("--explore", type=float, default=0.0, help="weighted random exploration rate (train)")
     p.add_argument("--refresh-pool", default=None, help="JSONL pool for the paper's simulated refresh arm")
     p.add_argument("--seed", type=int, default=0)

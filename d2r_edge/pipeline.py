@@ -315,12 +315,13 @@ class Pipeline:
         texts = [evidence_text(p, cfg.evidence_titles) for p in first.passages]
         return self._diagnosed(query, list(first.passages), texts, gen, t, first)
 
-    def run(self, query: str, learn: bool, deadline_s: float | None = None) -> dict:
+    def run(self, query: str, learn: bool, deadline_s: float | None = None,
+            grader: Callable[[str], bool] | None = None) -> dict:
         """Answer one query with at most one repair (Alg. 2 l.6-15); returns the record."""
-        return self.run_attempts(query, learn, deadline_s)[0]
+        return self.run_attempts(query, learn, deadline_s, grader)[0]
 
-    def run_attempts(self, query: str, learn: bool,
-                     deadline_s: float | None = None) -> tuple[dict, Attempt, Attempt]:
+    def run_attempts(self, query: str, learn: bool, deadline_s: float | None = None,
+                     grader: Callable[[str], bool] | None = None) -> tuple[dict, Attempt, Attempt]:
         """`run`'s record with the first and the final attempt (the same one when not repaired).
 
         `deadline_s`: the whole query's wall-clock limit (generator included). A repair is then
@@ -328,11 +329,15 @@ class Pipeline:
         cost model's prediction, or for an arm it has not measured yet, the first attempt's own
         time (a repair is one more retrieve-generate-diagnose). Otherwise the first answer stands
         and `repair_skipped` says why. Everything the query waits on (the generator's calls, their
-        retries) is cut to the deadline too (`d2r_edge.deadline`)."""
-        with deadline.scope(deadline_s):
-            return self._run_attempts(query, learn, deadline_s)
+        retries) is cut to the deadline too (`d2r_edge.deadline`).
 
-    def _run_attempts(self, query: str, learn: bool, deadline_s: float | None) -> tuple[dict, Attempt, Attempt]:
+        `grader`: whether an answer is right by the query's gold (training on labeled queries); the label
+        reward (RewardQuality.LABEL) scores each repair with it."""
+        with deadline.scope(deadline_s):
+            return self._run_attempts(query, learn, deadline_s, grader)
+
+    def _run_attempts(self, query: str, learn: bool, deadline_s: float | None,
+                      grader: Callable[[str], bool] | None = None) -> tuple[dict, Attempt, Attempt]:
         t_start = time.perf_counter()
         q_vec = self.retriever.embed(query)   # once: both attempts and the context vector use it
         embed_s = time.perf_counter() - t_start
@@ -369,10 +374,14 @@ class Pipeline:
             # attempt then builds the same context vector (remaining budget) as a live one
             spent_s = attempt_seconds(first)
             self._check_reward_detector()       # a missing detector is a setting, not one query's failure
+            if self.reward_cfg.quality is RewardQuality.LABEL and grader is None:
+                raise ConfigError("the label reward (--reward-quality label) scores a repair by the query's gold "
+                                  "label or answer: only `train` on labeled queries can use it; use "
+                                  "--reward-quality alg1 or detector here")
             t_repair = time.perf_counter()
             try:
                 repair_fn = self._vote_repair if self.vote_k else self._repair
-                rec["repair"], final = repair_fn(query, q_vec, first, allowed, learn, spent_s, p_wrong)
+                rec["repair"], final = repair_fn(query, q_vec, first, allowed, learn, spent_s, p_wrong, grader)
             except RECOVERABLE as exc:
                 # the repair pass failed (generator down, ...): the first answer stands, and says so
                 log.warning("repair of %r failed, keeping the first answer: %s", query[:60], exc)
@@ -425,7 +434,8 @@ class Pipeline:
         return delivered(a, self.task.fact_verification)
 
     def _vote_repair(self, query: str, q_vec: np.ndarray, first: Attempt, allowed: np.ndarray, learn: bool,
-              spent_s: float, p_wrong: float | None = None) -> tuple[dict, Attempt]:
+                     spent_s: float, p_wrong: float | None = None,
+                     grader: Callable[[str], bool] | None = None) -> tuple[dict, Attempt]:
         """d2r_edge.vote: the k cheapest allowed arms that fit the budget answer again; the P(right)-weighted
         vote over them and the first answer decides. No policy is consulted or updated."""
         t0 = time.perf_counter()
@@ -471,7 +481,8 @@ class Pipeline:
         }, final
 
     def _repair(self, query: str, q_vec: np.ndarray, first: Attempt, allowed: np.ndarray, learn: bool,
-                spent_s: float, p_wrong: float | None = None) -> tuple[dict, Attempt]:
+                spent_s: float, p_wrong: float | None = None,
+                grader: Callable[[str], bool] | None = None) -> tuple[dict, Attempt]:
         t0 = time.perf_counter()
         d = first.diagnosis
         budget = self.budget.for_attempt(spent_s)     # this query's: latency_x times its first attempt
@@ -492,7 +503,7 @@ class Pipeline:
                 key = None if learn else query
                 arm, propensity, explored = self.policy.select(x, masked.allowed, key=key), None, False
         policy_s = time.perf_counter() - t0
-        tried = {a: self._try_arm(query, q_vec, first, a, budget, p_wrong, learn)
+        tried = {a: self._try_arm(query, q_vec, first, a, budget, p_wrong, learn, grader)
                  for a in ([int(i) for i in np.flatnonzero(masked.allowed)] if every else [arm])}
         t1 = time.perf_counter()
         updates_after, logged = None, []
@@ -529,7 +540,8 @@ class Pipeline:
         }, (first if decision is not None and decision.kept is Kept.FIRST else second)
 
     def _try_arm(self, query: str, q_vec: np.ndarray, first: Attempt, arm: int, budget: Budget,
-                 p_wrong: float | None, learn: bool) -> tuple[Attempt, Measurement, Decision | None, float, float | None]:
+                 p_wrong: float | None, learn: bool, grader: Callable[[str], bool] | None = None
+                 ) -> tuple[Attempt, Measurement, Decision | None, float, float | None]:
         """One repair with `arm`: (its attempt, cost, the accept/revert decision, its Eq. 2 reward - 0 when
         reverted -, its P(wrong)); its cost is observed by the cost model."""
         second, cost = self.metered_attempt(query, ARMS[arm].apply(self.default), q_vec, first=first)
@@ -540,7 +552,9 @@ class Pipeline:
                    kg_consistent=d2.kg is KGStatus.CONSISTENT,
                    nli_entailed=d2.e_r is Entailment.ENTAILMENT,
                    latency_s=cost.latency_s, device_mem_mib=cost.mem_growth_mib,
-                   budget=budget, cfg=self.reward_cfg, p_wrong=p_wrong_after)
+                   budget=budget, cfg=self.reward_cfg, p_wrong=p_wrong_after,
+                   right=(bool(grader(self.answer(second))) if grader is not None
+                          and self.reward_cfg.quality is RewardQuality.LABEL else None))
         if decision is not None and decision.kept is Kept.FIRST:
             r = 0.0         # a reverted repair gave the user nothing
         self.costs.observe(arm, cost.latency_s, cost.mem_growth_mib)

@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from d2r_edge.config import RewardQuality
 from d2r_edge.errors import RECOVERABLE, InputError
 from d2r_edge.jsonl import loads as json_line
 from d2r_edge.tasks import Task
@@ -258,9 +259,14 @@ def answer_query(pipeline, q: Query, learn: bool, epoch: int | None = None, dead
     `deadline_s`: each query's wall-clock limit, generator calls and retries included."""
     rec = {"id": q.id, "epoch": epoch, "query": q.text, "gold_label": q.label,
            "gold_answer": q.answer, "task": pipeline.task.value}
+    gold = {"label": q.label, "answer": q.answer}
+    graded = learn and getattr(getattr(pipeline, "reward_cfg", None), "quality", None) is RewardQuality.LABEL
     try:
-        rec.update(pipeline.run(q.text, learn, deadline_s))
-        gold = {"label": q.label, "answer": q.answer}
+        if graded and correct(pipeline.task, gold, "") is None:
+            raise InputError(f"query {q.id} has no gold label or answer: the label reward (--reward-quality "
+                             f"label) trains on labeled queries only")
+        rec.update(pipeline.run(q.text, learn, deadline_s,
+                                (lambda answer: bool(correct(pipeline.task, gold, answer))) if graded else None))
         rec["first_correct"] = correct(pipeline.task, gold, rec["first_answer"])
         rec["final_correct"] = correct(pipeline.task, gold, rec["final_answer"])
         rec["error"] = None

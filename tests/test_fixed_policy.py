@@ -99,3 +99,65 @@ def test_serving_replays_a_full_information_record_from_where_the_policy_stands(
     rep = {"x": [0.0], "policy_updates": 2, "updates": updates, "arm_index": 4, "reward": 1.0}
     assert rt.replay([rep]) == 1 and updates_of(p.policy) == 2 and p.policy.select() == 4
     assert rt.replay([rep]) == 0
+
+
+def test_the_label_reward_is_whether_the_repaired_answer_is_right():
+    from d2r_edge.config import Budget, RewardConfig, RewardQuality
+    from d2r_edge.policy.reward import reward
+
+    cfg = RewardConfig(quality=RewardQuality.LABEL)
+    common = dict(no_failure=True, kg_consistent=True, nli_entailed=True, device_mem_mib=0.0,
+                  budget=Budget(latency_s=4.0, device_mem_mib=6.0), cfg=cfg)
+    # the indicators say "all good" in both: only the gold decides, then Eq. 2's cost terms
+    assert reward(latency_s=1.0, right=True, **common) == pytest.approx(0.75)
+    assert reward(latency_s=1.0, right=False, **common) == 0.0
+    assert reward(latency_s=5.0, right=True, **common) == 0.0                   # over budget: gated
+    with pytest.raises(PolicyError, match="train on labeled queries"):
+        reward(latency_s=1.0, **common)
+
+
+def test_train_with_the_label_reward_scores_every_tried_arm_by_the_gold(world, tiny_models, tmp_path):  # noqa: F811
+    """Issue 51: with --reward-quality label each tried arm's reward is 1 exactly when its answer is right by
+    the gold (no cost terms here), so the fixed policy's means are the arms' accuracies on the repaired
+    training queries; without a gold (run, serve) the reward is refused, not guessed."""
+    from d2r_edge.config import RewardConfig, RewardQuality
+    from d2r_edge.errors import ConfigError
+    from d2r_edge.runner import Query, answer_query
+
+    _, _, qpath = world
+    queries = load_queries(qpath)[:12]
+    policy = tmp_path / "fixed.npz"
+    cfg = RewardConfig(quality=RewardQuality.LABEL, gates=False, cost_weighting=False)
+    p = _pipeline(world, tiny_models, policy_path=policy, create_policy=True, reward=cfg)
+    records = train(p, queries, tmp_path / "train.jsonl", policy, epochs=1)
+    repaired = [r for r in records if r.get("repair")]
+    assert repaired and all(r["error"] is None for r in records)
+    for r in repaired:
+        rep = r["repair"]
+        assert rep["reward_quality"] == "label" and {u["reward"] for u in rep["updates"]} <= {0.0, 1.0}
+        assert rep["reward"] == float(r["final_correct"])        # the arm it kept: right by the gold or not
+    # the policy's means are the tried arms' shares of right answers
+    tried = p.policy.counts > 0
+    assert np.all((p.policy.means()[tried] >= 0) & (p.policy.means()[tried] <= 1))
+    assert p.policy.sums.sum() == sum(u["reward"] for r in repaired for u in r["repair"]["updates"])
+    # a query with no gold: the record says why; answering without a grader refuses the label reward
+    q = repaired[0]
+    rec = answer_query(p, Query(id="x", text=q["query"], label=None, answer=None), learn=True)
+    assert "no gold label or answer" in rec["error"]
+    with pytest.raises(ConfigError, match="only `train` on labeled queries"):
+        p.run(q["query"], learn=False)
+
+
+def test_the_cli_keeps_the_label_reward_to_training_on_labeled_queries(tmp_path, capsys):
+    from d2r_edge.cli import main
+    from d2r_edge.errors import InputError
+
+    fever = tmp_path / "q.jsonl"
+    fever.write_text('{"id": 1, "claim": "Rome is in Italy.", "label": "SUPPORTS"}\n'
+                     '{"id": 2, "claim": "Oslo is in Peru."}\n')
+    common = ["--kb", str(tmp_path / "kb"), "--task", "fever", "--queries", str(fever), "--out",
+              str(tmp_path / "o.jsonl"), "--models", str(tmp_path / "m"), "--reward-quality", "label"]
+    assert main(["run", *common]) == InputError.exit_code
+    assert "for `d2r-edge train` only" in capsys.readouterr().err
+    assert main(["train", *common, "--policy", str(tmp_path / "p.npz")]) == InputError.exit_code
+    assert "1 queries have none (first: 2)" in capsys.readouterr().err
