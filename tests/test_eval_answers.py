@@ -778,6 +778,11 @@ class _FlipWorld:
         ok = float(answer == "right")
         return ok, ok
 
+    from d2r_edge.eval.context import Context
+
+    gated_arm_outcomes = Context.gated_arm_outcomes        # the real walk over gated queries and allowed arms
+    del Context
+
 
 def test_best_fixed_labeled_picks_the_arm_that_fixes_most_net_of_what_it_breaks():
     """best_fixed_labeled (qa-t1reader's finding: Eq. 2's reward chose an arm that fixes nothing): the arm with the

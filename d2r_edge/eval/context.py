@@ -214,6 +214,18 @@ class Context:
         """The UNVERIFIED rule and the arms the loaded models can run (Pipeline.allowed)."""
         return self.pipeline.allowed(first.diagnosis)
 
+    def gated_arm_outcomes(self, queries: list[EvalQuery], training: bool):
+        """Each query the gate sends to repair, with each arm allowed for it: (query, first attempt, arm index,
+        the arm's attempt, its cost). `training`: the queries are training ones (the gate reads their
+        out-of-fold P(wrong))."""
+        for q in queries:
+            first = self.first(q)
+            if not self.repairs(first, training_query=q.text if training else None):
+                continue
+            for arm in np.flatnonzero(self.allowed(first)):
+                attempt, cost = self.arm_outcome(q, int(arm))
+                yield q, first, int(arm), attempt, cost
+
     def answer(self, attempt) -> str:
         return self.pipeline.answer(attempt)
 

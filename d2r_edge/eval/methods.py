@@ -178,19 +178,14 @@ def arm_rewards(ctx: Context, queries: list[EvalQuery]) -> np.ndarray:
 
     sums, counts = np.zeros(len(ARMS)), np.zeros(len(ARMS))
     p = ctx.pipeline
-    for q in queries:
-        first = ctx.first(q)
-        if not ctx.repairs(first, training_query=q.text):
-            continue
-        for arm in np.flatnonzero(ctx.allowed(first)):
-            a, cost = ctx.arm_outcome(q, int(arm))
-            d = a.diagnosis
-            sums[arm] += reward(no_failure=d.failure is FailureType.NO_FAILURE,
-                                kg_consistent=d.kg is KGStatus.CONSISTENT,
-                                nli_entailed=d.e_r is Entailment.ENTAILMENT, latency_s=cost.latency_s,
-                                device_mem_mib=cost.mem_growth_mib, budget=p.budget.for_attempt(attempt_seconds(first)),
-                                cfg=p.reward_cfg, p_wrong=p.repaired_p_wrong(a))
-            counts[arm] += 1
+    for _, first, arm, a, cost in ctx.gated_arm_outcomes(queries, training=True):
+        d = a.diagnosis
+        sums[arm] += reward(no_failure=d.failure is FailureType.NO_FAILURE,
+                            kg_consistent=d.kg is KGStatus.CONSISTENT,
+                            nli_entailed=d.e_r is Entailment.ENTAILMENT, latency_s=cost.latency_s,
+                            device_mem_mib=cost.mem_growth_mib, budget=p.budget.for_attempt(attempt_seconds(first)),
+                            cfg=p.reward_cfg, p_wrong=p.repaired_p_wrong(a))
+        counts[arm] += 1
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
@@ -207,15 +202,10 @@ def arm_flips(ctx: Context, queries: list[EvalQuery]) -> tuple[np.ndarray, np.nd
     """(fixed, broken) per arm over the gated queries where it is allowed: answers the arm turned from
     wrong to right and from right to wrong, by the gold labels (what eval answers scores methods by)."""
     fixed, broken = np.zeros(len(ARMS)), np.zeros(len(ARMS))
-    for q in queries:
-        first = ctx.first(q)
-        if not ctx.repairs(first, training_query=q.text):
-            continue
-        before = ctx.score(q, ctx.answer(first))[0]
-        for arm in np.flatnonzero(ctx.allowed(first)):
-            after = ctx.score(q, ctx.answer(ctx.arm_outcome(q, int(arm))[0]))[0]
-            fixed[arm] += after > before
-            broken[arm] += after < before
+    for q, first, arm, a, _ in ctx.gated_arm_outcomes(queries, training=True):
+        before, after = ctx.score(q, ctx.answer(first))[0], ctx.score(q, ctx.answer(a))[0]
+        fixed[arm] += after > before
+        broken[arm] += after < before
     return fixed, broken
 
 

@@ -112,23 +112,16 @@ def arm_table(ctx: Context) -> dict:
     a row too), and these are the queries whose every arm the outcome pass computed for the oracle."""
     out: dict = defaultdict(dict)
     eff = {i: ctx.pipeline.effective(a.apply(ctx.pipeline.default)) for i, a in enumerate(ARMS)}
-    for q in ctx.test:
-        first = ctx.first(q)
-        if not ctx.repairs(first):
-            continue
-        ft = first.diagnosis.failure
-        c0 = ctx.score(q, ctx.answer(first))[0]
-        for arm in np.flatnonzero(ctx.allowed(first)):
-            a, cost = ctx.arm_outcome(q, int(arm))
-            c1 = ctx.score(q, ctx.answer(a))[0]
-            cell = out[ft.value].setdefault(ARM_NAMES[arm], {"n": 0, "first": 0, "after": 0, "fixed": 0,
-                                                            "broken": 0, "latency_s": []})
-            cell["n"] += 1
-            cell["first"] += int(c0)
-            cell["after"] += int(c1)
-            cell["fixed"] += c1 > c0
-            cell["broken"] += c1 < c0
-            cell["latency_s"].append(cost.latency_s)
+    for q, first, arm, a, cost in ctx.gated_arm_outcomes(ctx.test, training=False):
+        c0, c1 = ctx.score(q, ctx.answer(first))[0], ctx.score(q, ctx.answer(a))[0]
+        cell = out[first.diagnosis.failure.value].setdefault(
+            ARM_NAMES[arm], {"n": 0, "first": 0, "after": 0, "fixed": 0, "broken": 0, "latency_s": []})
+        cell["n"] += 1
+        cell["first"] += int(c0)
+        cell["after"] += int(c1)
+        cell["fixed"] += c1 > c0
+        cell["broken"] += c1 < c0
+        cell["latency_s"].append(cost.latency_s)
     for cells in out.values():
         for name, c in cells.items():
             lat = c.pop("latency_s")
