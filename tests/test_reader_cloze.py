@@ -100,6 +100,7 @@ def test_the_cloze_settings_shape_the_reader_s_key_only_when_on():
     pytest.importorskip("torch")
     from d2r_edge_export.finetune import FinetuneSettings
 
-    off, on = FinetuneSettings().for_role("reader"), FinetuneSettings(reader_cloze_examples=10).for_role("reader")
+    off = FinetuneSettings(reader_cloze_examples=0).for_role("reader")
+    on = FinetuneSettings(reader_cloze_examples=10).for_role("reader")
     assert not any(k.startswith("reader_cloze_") for k in off)
     assert on["reader_cloze_examples"] == 10 and on["reader_cloze_epochs"] == 1
