@@ -551,6 +551,7 @@ def test_the_arm_table_covers_the_queries_the_gate_repairs():
     arms of queries no method repairs (new generations in the report phase) while leaving gated ones out."""
     from types import SimpleNamespace
 
+    from d2r_edge.eval.context import Context
     from d2r_edge.eval.report import arm_table
     from d2r_edge.repair import PipelineConfig
 
@@ -569,9 +570,12 @@ def test_the_arm_table_covers_the_queries_the_gate_repairs():
     one_arm[ARM_NAMES.index("dense_k3")] = True
     ctx = SimpleNamespace(
         test=[SimpleNamespace(text=t) for t in firsts], first=lambda q: firsts[q.text],
-        repairs=lambda first: first is firsts["gated, Alg. 1 clean"], allowed=lambda first: one_arm,
+        repairs=lambda first, training_query=None: first is firsts["gated, Alg. 1 clean"],
+        allowed=lambda first: one_arm,
         arm_outcome=arm_outcome, answer=lambda a: a.answer, score=lambda q, ans: (float(ans == "right"), 0.0),
         pipeline=SimpleNamespace(default=PipelineConfig(), effective=lambda cfg: cfg))
+    # the real walk over the gated queries' allowed arms, on this stand-in
+    ctx.gated_arm_outcomes = lambda queries, training: Context.gated_arm_outcomes(ctx, queries, training)
     table = arm_table(ctx)
     assert asked == ["gated, Alg. 1 clean"]
     assert set(table) == {"no_failure"} and table["no_failure"]["dense_k3"]["fixed"] == 1
