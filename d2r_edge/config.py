@@ -165,9 +165,8 @@ class RewardQuality(str, Enum):
     ALG1 = "alg1"            # Eq. 2: (1/4)(1_NF + 1_KG + 2*1_NLI) of its Alg. 1 diagnosis (the paper)
     DETECTOR = "detector"    # 1 - P(wrong) of the calibrated detector (needs one; `train` fits it first)
     # 1 when the repaired answer is right by the query's gold label / answer: `train` on labeled queries only.
-    # With the fixed policy kind it picks the arm that leaves the most gated training answers right, what
-    # `eval answers`' best_fixed_labeled row measures (Eq. 2's indicators picked an arm that fixes nothing on
-    # HotpotQA: docs/runs/qa-t1reader)
+    # With the fixed policy kind it ranks arms by their share of right repaired answers, close to `eval
+    # answers`' best_fixed_labeled (d2r_edge/policy/fixed.py says where they differ)
     LABEL = "label"
 
 

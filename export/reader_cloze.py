@@ -139,11 +139,9 @@ def build_cloze(rows: list[dict], n_positives: int, evaluation_texts: set[str], 
     supports = [r for r in rows if r.get("label") == "SUPPORTS" and r.get("evidence")]
     removed = {"claim_in_evaluation": 0, "evidence_in_evaluation": 0, "evidence_in_blocked_passage": 0,
                "no_shared_span": 0}
-    out = ClozeSet()
-    passages: list[str] = []
-    answers: list[str] = []
+    positives: list[SpanExample] = []
     for i in rng.permutation(len(supports)):
-        if len(passages) >= n_positives:
+        if len(positives) >= n_positives:
             break
         r = supports[int(i)]
         if dedupe_key(r["claim"]) in evaluation_texts:
@@ -156,34 +154,29 @@ def build_cloze(rows: list[dict], n_positives: int, evaluation_texts: set[str], 
             removed["evidence_in_blocked_passage"] += 1
             continue
         passage = " ".join(detokenize(s) for s in list(dict.fromkeys(r["evidence"]))[:max_sentences])
-        shared = [s for s in claim_spans(r["claim"]) if find_answer(passage, s) is not None]
-        question = None
-        if shared:
-            span = shared[int(rng.integers(len(shared)))]
-            question = cloze_question(r["claim"], span)
+        shared = [(s, start) for s in claim_spans(r["claim"]) if (start := find_answer(passage, s)) is not None]
+        span, start = shared[int(rng.integers(len(shared)))] if shared else ("", None)
+        question = cloze_question(r["claim"], span) if shared else None
         if question is None:
             removed["no_shared_span"] += 1
             continue
-        start = find_answer(passage, span)
-        out.examples.append(SpanExample(question, passage, passage[start:start + len(span)], start))
-        passages.append(passage)
-        answers.append(span)
-    n_neg = 0
-    for question_i, answer in enumerate(answers):
-        if len(passages) < 2:
+        positives.append(SpanExample(question, passage, passage[start:start + len(span)], start))
+    negatives_out: list[SpanExample] = []
+    for i, pos in enumerate(positives):
+        if len(positives) < 2:
             break
         for _ in range(negatives):
             for _try in range(5):
-                j = int(rng.integers(len(passages)))
-                if j != question_i and find_answer(passages[j], answer) is None:
-                    out.examples.append(SpanExample(out.examples[question_i].question, passages[j], "", None))
-                    n_neg += 1
+                j = int(rng.integers(len(positives)))
+                if j != i and find_answer(positives[j].passage, pos.answer) is None:
+                    negatives_out.append(SpanExample(pos.question, positives[j].passage, "", None))
                     break
-    order = rng.permutation(len(out.examples))
-    out.examples = [out.examples[int(k)] for k in order]
-    out.stats = {"source": "fever_train SUPPORTS claims", "positives": len(answers), "negatives": n_neg,
-                 "requested": n_positives, "max_sentences": max_sentences, "seed": seed,
-                 "wh": {w: sum(wh_word(a) == w for a in answers) for w in ("what", "what year", "how many")},
+    examples = positives + negatives_out
+    out = ClozeSet([examples[int(k)] for k in rng.permutation(len(examples))])
+    out.stats = {"source": "fever_train SUPPORTS claims", "positives": len(positives),
+                 "negatives": len(negatives_out), "requested": n_positives, "max_sentences": max_sentences,
+                 "seed": seed, "wh": {w: sum(wh_word(p.answer) == w for p in positives)
+                                      for w in ("what", "what year", "how many")},
                  "removed": removed}
     return out
 
