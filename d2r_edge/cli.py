@@ -628,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reader-cloze", type=int, default=None, metavar="N",
                    help="offline reader: first train on N cloze questions from FEVER 1.0 train (a name or "
                         "number shared by a claim and its evidence, asked as a wh-question), then on the QA "
-                        "spans (default: the profile's preset, 16,000; 0: none)")
+                        "spans (default: the profile's preset, 32,000; 0: none)")
     p.add_argument("--no-nli-augment", dest="nli_augment", action="store_false",
                    help="offline NLI: no synthetic pairs (negation flips and number swaps of "
                         "training FEVER claims)")

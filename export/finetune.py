@@ -31,8 +31,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 @dataclass(frozen=True)
 class FinetuneSettings:
-    """The full offline build with these takes about 2.5 h on 2 CPU cores (README's profile table), of which the
-    reader's cloze stage ~22 min and its QA spans ~8 min."""
+    """The full offline build with these takes about 3 h on 2 CPU cores (README's profile table), of which the
+    reader's cloze stage ~60 min and its QA spans ~7 min."""
 
     nli_epochs: int = 3
     rerank_epochs: int = 2
@@ -84,9 +84,10 @@ class FinetuneSettings:
     reader_negatives: int = 1
     # the reader's first stage: this many FEVER-train cloze questions (export/reader_cloze.py; 0: none),
     # each with `reader_negatives` no-answer passages, for `reader_cloze_epochs` passes before the QA spans.
-    # 16,000 (2,000 steps, ~22 min on 2 cores) doubled the reader's held-out F1 (0.109 -> 0.218, EM 0.049 ->
-    # 0.088 on 102 questions of the other QA files; a BM25 title baseline 0.059 EM), measured here
-    reader_cloze_examples: int = 16000
+    # on 102 held-out questions of the other QA files (a BM25 title baseline: EM 0.059): none EM 0.049 / F1
+    # 0.109; 16,000 (2,000 steps, ~22 min on 2 cores) 0.088 / 0.218; 32,000 (4,000 steps, ~59 min) 0.147 / 0.250,
+    # chosen by that validation (HotpotQA detection's training CV 0.665 vs 0.662 with 16,000; docs/results.md)
+    reader_cloze_examples: int = 32000
     reader_cloze_epochs: int = 1
 
     def __post_init__(self) -> None:
