@@ -132,9 +132,10 @@ def costs_path(policy_path: Path) -> Path:
 
 POLICY_KINDS = ("linucb", "thompson", "fixed")
 # each task's default repair policy, chosen on training queries by `eval answers --methods-cv` (issue 51):
-# FEVER's 150 training claims chose the best fixed arm (+6.0 points over naive, LinUCB -1.3); QA has no such
-# measurement yet and keeps the paper's LinUCB
-DEFAULT_POLICY_KIND = {Task.FEVER: "fixed", Task.QA: "linucb"}
+# FEVER's 150 training claims chose the best fixed arm (+6.0 points over naive, LinUCB -1.3); HotpotQA's 202
+# training questions chose Thompson Sampling (+1.5 EM [-1.0, +4.0], LinUCB -1.0 [-4.0, +1.5]: within noise,
+# docs/runs/qa-methods-cv)
+DEFAULT_POLICY_KIND = {Task.FEVER: "fixed", Task.QA: "thompson"}
 
 
 def policy_kind(s: RunSettings) -> str:

@@ -468,7 +468,7 @@ def _pipeline_args(p: argparse.ArgumentParser, generator_key_flag: str = "--api-
     p.add_argument("--policy-kind", default=None, choices=["linucb", "thompson", "fixed"],
                    help="the repair policy: LinUCB (the paper's), Thompson Sampling, or the best fixed arm (one arm "
                         "for every repair, the best mean reward; train tries every allowed arm). Default: a --policy "
-                        "file's own kind, else the task's choice by training cross-validation: fever fixed, qa linucb")
+                        "file's own kind, else the task's choice by training cross-validation: fever fixed, qa thompson")
     p.add_argument("--alpha", type=float, default=2.0, help="LinUCB exploration (paper: 2)")
     _generator_args(p, generator_key_flag)
     p.add_argument("--unconstrained", action="store_true", help="ablation: no hard budget gates in the reward")

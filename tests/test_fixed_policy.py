@@ -48,7 +48,7 @@ def test_select_takes_the_best_mean_among_allowed_and_tried_arms(tmp_path):
 def test_the_default_kind_is_the_tasks_or_the_files_own(tmp_path):
     fever = RunSettings(kb=tmp_path, models=tmp_path, task=Task.FEVER)
     qa = RunSettings(kb=tmp_path, models=tmp_path, task=Task.QA)
-    assert (policy_kind(fever), policy_kind(qa)) == ("fixed", "linucb")
+    assert (policy_kind(fever), policy_kind(qa)) == ("fixed", "thompson")
     LinUCB(3, 2, 1.0).save(tmp_path / "l.npz")
     trained = RunSettings(kb=tmp_path, models=tmp_path, task=Task.FEVER, policy_path=tmp_path / "l.npz")
     assert policy_kind(trained) == "linucb"                       # trained with the old default: still read
@@ -161,3 +161,45 @@ def test_the_cli_keeps_the_label_reward_to_training_on_labeled_queries(tmp_path,
     assert "for `d2r-edge train` only" in capsys.readouterr().err
     assert main(["train", *common, "--policy", str(tmp_path / "p.npz")]) == InputError.exit_code
     assert "1 queries have none (first: 2)" in capsys.readouterr().err
+
+
+def _cv_records(first: list[bool], finals: dict[str, list[bool]]) -> dict[str, list[dict]]:
+    ids = [f"q{i}" for i in range(len(first))]
+    recs = {"naive": [{"id": i, "first_correct": f, "final_correct": f, "repaired": False}
+                      for i, f in zip(ids, first)]}
+    for m, final in finals.items():
+        recs[m] = [{"id": i, "first_correct": f, "final_correct": g, "repaired": f != g}
+                   for i, f, g in zip(ids, first, final)]
+    return recs
+
+
+def test_the_training_cv_default_breaks_ties_by_fewer_broken_answers_not_by_the_methods_order():
+    """Issue 51: at an equal delta the method that breaks fewer right answers wins, whatever order --methods
+    listed them in; each task's current default is the one `run` uses (FEVER: the fixed arm)."""
+    from d2r_edge.eval.method_cv import summarize
+
+    first = [False] * 6 + [True] * 4
+    careless = first[:]                       # 3 fixed, 2 broken: +1 net
+    careless[0] = careless[1] = careless[2] = True
+    careless[6] = careless[7] = False
+    careful = first[:]                        # 2 fixed, 1 broken: +1 net
+    careful[0] = careful[1] = True
+    careful[6] = False
+    for order in (("thompson", "linucb_accept"), ("linucb_accept", "thompson")):
+        finals = {order[0]: careless if order[0] == "thompson" else careful,
+                  order[1]: careless if order[1] == "thompson" else careful}
+        cv = summarize(_cv_records(first, finals), fact_verification=False, folds=5, resamples=200, seed=0)
+        assert cv["methods"]["thompson"]["delta_vs_naive"] == cv["methods"]["linucb_accept"]["delta_vs_naive"]
+        assert cv["best_method"] == "linucb_accept" and cv["current_default"] == "thompson"
+        assert cv["default_by_training_cv"] == "thompson"           # a default is a policy kind: no comparator
+    # a policy kind that breaks fewer at the same delta replaces the current default
+    cv = summarize(_cv_records(first, {"thompson": careless, "linucb": careful}), fact_verification=False,
+                   folds=5, resamples=200, seed=0)
+    assert cv["default_by_training_cv"] == "linucb"
+    # FEVER: the fixed arm is the current default and keeps a tie it does not lose on broken answers
+    cv = summarize(_cv_records(first, {"linucb": careful, "best_fixed": careful}), fact_verification=True,
+                   folds=5, resamples=200, seed=0)
+    assert cv["current_default"] == "best_fixed" and cv["default_by_training_cv"] == "best_fixed"
+    cv = summarize(_cv_records(first, {"linucb": careful, "best_fixed": first}), fact_verification=True,
+                   folds=5, resamples=200, seed=0)
+    assert cv["default_by_training_cv"] == "linucb"

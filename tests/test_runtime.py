@@ -40,9 +40,10 @@ def test_answer_is_the_run_record_as_an_object(runtime):
 
 
 class _SlowGenerator:
-    """The runtime's own generator, 40 ms slower per call: generation dominates like a real LLM's."""
+    """The runtime's own generator, 200 ms slower per call: generation dominates like a real LLM's, and one
+    generation (>= 200 ms) stays apart from two (>= 400 ms) on a loaded machine (40 ms did not: 88 ms for one)."""
 
-    def __init__(self, inner, delay_s=0.04):
+    def __init__(self, inner, delay_s=0.2):
         self.inner, self.delay_s = inner, delay_s
         self.name, self.prompt_sensitive = inner.name, getattr(inner, "prompt_sensitive", True)
 
@@ -68,12 +69,12 @@ def test_the_stages_partition_the_total_and_the_repair_generation_is_counted_onc
         lat = res.latency_ms
         assert abs(sum(lat[k] for k in STAGES) - lat["total"]) < 0.05          # ms: rounding only
         assert lat["other"] < 0.1 * lat["total"]                               # the stages are measured
-        assert 40 <= lat["generate"] < 80                                      # the first generation alone
+        assert 200 <= lat["generate"] < 400                                    # the first generation alone
     for res in repaired:
         lat = res.latency_ms
-        assert 40 <= lat["repair_generate"] <= lat["repair"]                   # inside the repair, once
+        assert 200 <= lat["repair_generate"] <= lat["repair"]                  # inside the repair, once
         assert abs(lat["overhead"] - (lat["total"] - lat["generate"] - lat["repair_generate"])) < 0.05
-        assert lat["overhead"] < lat["total"] - 80                             # both generations left out
+        assert lat["overhead"] < lat["total"] - 400                            # both generations left out
 
 
 def test_a_deadline_skips_the_repair_it_cannot_fit(runtime):
@@ -143,8 +144,14 @@ def test_fever_verify_takes_a_verdict_as_the_label(demo_kb, tiny_models):
     assert v.diagnosis.label is v.label
 
 
-def test_online_updates_are_checkpointed_and_replayed(demo_kb, tiny_models, tmp_path):
-    rt = make_runtime(demo_kb, tiny_models)
+_POLICY_STATE = {"linucb": lambda pol: pol.A_inv.copy(),
+                 "thompson": lambda pol: np.concatenate([pol.successes, pol.failures])}
+
+
+@pytest.mark.parametrize("kind", sorted(_POLICY_STATE))
+def test_online_updates_are_checkpointed_and_replayed(demo_kb, tiny_models, tmp_path, kind):
+    state = _POLICY_STATE[kind]
+    rt = make_runtime(demo_kb, tiny_models, policy_kind=kind)
     logged = []
     for q in demo_questions():
         res = rt.answer(q, learn=True)
@@ -152,14 +159,15 @@ def test_online_updates_are_checkpointed_and_replayed(demo_kb, tiny_models, tmp_
             logged.append(res.record["repair"])
     assert logged and [r["policy_updates"] for r in logged] == list(range(1, len(logged) + 1))
     rt.save_policy(tmp_path / "p.npz")
-    after = rt.pipeline.policy.A_inv.copy()
+    after = state(rt.pipeline.policy)
     # a restart from a checkpoint taken after the first update replays exactly the later ones
-    fresh = make_runtime(demo_kb, tiny_models)
+    fresh = make_runtime(demo_kb, tiny_models, policy_kind=kind)
     fresh.replay(logged[:1])
     fresh.save_policy(tmp_path / "early.npz")
     again = make_runtime(demo_kb, tiny_models, policy_path=tmp_path / "early.npz")
     assert again.replay(logged) == len(logged) - 1
-    assert np.allclose(again.pipeline.policy.A_inv, after) and again.replay(logged) == 0
+    assert np.allclose(state(again.pipeline.policy), after) and again.replay(logged) == 0
+    assert not np.allclose(state(fresh.pipeline.policy), after) or len(logged) == 1
 
 
 def test_parallel_queries_with_merged_nli_calls_answer_as_one_at_a_time(demo_kb, tiny_models):

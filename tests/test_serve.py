@@ -404,7 +404,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
 
 
 def test_kill_9_under_load_then_restart_loses_and_duplicates_nothing(demo_kb, tiny_models, tmp_path):
-    from d2r_edge.policy import LinUCB
+    from d2r_edge.policy.state import stored_kind
+    from d2r_edge.policy.thompson import ThompsonSampling
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -455,10 +456,12 @@ def test_kill_9_under_load_then_restart_loses_and_duplicates_nothing(demo_kb, ti
     ids = [json.loads(line)["request_id"] for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert len(ids) == len(set(ids)), "a record was written twice"
     assert set(completed) <= set(ids), "a completed request has no record"
-    policy = LinUCB.load(tmp_path / "policy.npz")
     learned = sum(1 for line in (tmp_path / "records.jsonl").read_text().splitlines()
                   if (json.loads(line).get("repair") or {}).get("x") is not None)
-    assert int(policy.counts.sum()) == learned                # every logged update, replayed or saved
+    assert stored_kind(tmp_path / "policy.npz") == "thompson"          # QA's default kind
+    policy = ThompsonSampling.load(tmp_path / "policy.npz")
+    updates = policy.successes.sum() + policy.failures.sum() - 2 * policy.n_arms       # Beta(1, 1) priors
+    assert int(updates) == learned                            # every logged update, replayed or saved
 
 
 def test_serve_cli_errors_are_one_line(demo_kb, tiny_models, tmp_path):

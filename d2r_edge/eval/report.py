@@ -262,7 +262,10 @@ def methods_cv_lines(cv: dict | None) -> list[str]:
                       str(r["repaired"])] for m, r in sorted(cv["methods"].items(),
                                                              key=lambda kv: -kv[1]["delta_vs_naive"])])
     lines += ["", f"Rule: {cv['rule']}. Current default `{cv['current_default']}`; the training CV chooses "
-                  f"`{cv['default_by_training_cv']}`. Caveat: {cv['leak']}."]
+                  f"`{cv['default_by_training_cv']}`"
+              + (f" (the best of all methods: `{cv['best_method']}`, which needs its flag)"
+                 if cv.get("best_method") not in (None, cv["default_by_training_cv"]) else "")
+              + f". Caveat: {cv['leak']}."]
     return lines
 
 
