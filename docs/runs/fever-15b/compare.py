@@ -18,24 +18,23 @@ from pathlib import Path
 
 import numpy as np
 
+from d2r_edge.eval.metrics import flips, paired_bootstrap
+
 
 def load(out: Path, method: str) -> dict[str, dict]:
-    rows = [json.loads(line) for line in (out / "methods" / f"{method}.jsonl").open(encoding="utf-8")]
-    return {r["id"]: r for r in rows}
+    """The method's per-query records of an `eval answers --out` folder, by query id."""
+    with (out / "methods" / f"{method}.jsonl").open(encoding="utf-8") as f:
+        return {r["id"]: r for r in map(json.loads, f)}
 
 
-def outcomes(out: Path, method: str, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(first right, final right) per query, in `ids` order."""
-    rows = load(out, method)
-    first = np.array([rows[i]["first_correct"] for i in ids], dtype=float)
-    final = np.array([rows[i]["final_correct"] for i in ids], dtype=float)
-    return first, final
+def right(rows: dict[str, dict], ids: list[str], field: str = "final_correct") -> np.ndarray:
+    return np.array([rows[i][field] for i in ids], dtype=float)
 
 
-def interval(values: np.ndarray, idx: np.ndarray) -> tuple[float, float]:
-    boot = values[idx].mean(axis=1)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    return float(lo), float(hi)
+def ci(a: np.ndarray, b: np.ndarray, args) -> str:
+    """b - a in points with its paired 95% bootstrap interval (claims resampled)."""
+    iv = paired_bootstrap(a, b, n_resamples=args.bootstrap, seed=args.seed)
+    return f"{100 * iv.mean:+.1f} [{100 * iv.lo:+.1f}, {100 * iv.hi:+.1f}]"
 
 
 def main() -> None:
@@ -49,49 +48,40 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    small_ids = set(load(args.small, "naive"))
-    large_ids = set(load(args.large, "naive"))
+    runs = {name: {m: load(out, m) for m in ("naive", "oracle", args.method)}
+            for name, out in ((args.small_name, args.small), (args.large_name, args.large))}
+    small_ids, large_ids = set(runs[args.small_name]["naive"]), set(runs[args.large_name]["naive"])
     ids = sorted(small_ids & large_ids)
     if not ids:
         raise SystemExit("the two runs share no query id: run them on the same claims")
-    rng = np.random.default_rng(args.seed)
-    idx = rng.integers(0, len(ids), size=(args.bootstrap, len(ids)))
 
     per = {}
-    for name, out in ((args.small_name, args.small), (args.large_name, args.large)):
-        first, naive = outcomes(out, "naive", ids)
-        _, oracle = outcomes(out, "oracle", ids)
-        first_m, method = outcomes(out, args.method, ids)
-        assert np.array_equal(first, first_m), f"{out}: the methods disagree on the first answers"
-        per[name] = {"naive": naive, "oracle": oracle, "method": method,
-                     "room": oracle - naive, "delta": method - naive,
-                     "fixed": int(((naive == 0) & (method == 1)).sum()),
-                     "broken": int(((naive == 1) & (method == 0)).sum()),
-                     "wrong": int((naive == 0).sum())}
+    for name, rows in runs.items():
+        first = right(rows["naive"], ids, "first_correct")
+        if not np.array_equal(first, right(rows[args.method], ids, "first_correct")):
+            raise SystemExit(f"{name}: naive and {args.method} disagree on the first answers: not one run")
+        per[name] = {m: right(rows[m], ids) for m in ("naive", "oracle", args.method)}
 
-    n = len(ids)
-    print(f"Claims in both runs: {n} (only {len(small_ids - large_ids)} / {len(large_ids - small_ids)} "
+    print(f"Claims in both runs: {len(ids)} (only {len(small_ids - large_ids)} / {len(large_ids - small_ids)} "
           f"in one of them). Method: `{args.method}`. Intervals: 95% bootstrap over claims "
-          f"({args.bootstrap} resamples), paired where a difference is shown.\n")
+          f"({args.bootstrap} resamples), paired.\n")
     print(f"| generator | naive | oracle | room (oracle - naive) [95% CI] | {args.method} - naive [95% CI] "
           f"| share of the room | wrong->right | right->wrong | naive wrong |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, p in per.items():
-        room, delta = p["room"].mean(), p["delta"].mean()
-        share = f"{delta / room:.0%}" if room > 0 else "-"
-        rl, rh = interval(p["room"], idx)
-        dl, dh = interval(p["delta"], idx)
-        print(f"| {name} | {p['naive'].mean():.3f} | {p['oracle'].mean():.3f} | {100 * room:+.1f} "
-              f"[{100 * rl:+.1f}, {100 * rh:+.1f}] | {100 * delta:+.1f} [{100 * dl:+.1f}, {100 * dh:+.1f}] "
-              f"| {share} | {p['fixed']} | {p['broken']} | {p['wrong']} |")
+        naive, oracle, method = p["naive"], p["oracle"], p[args.method]
+        room = oracle.mean() - naive.mean()
+        share = f"{(method.mean() - naive.mean()) / room:.0%}" if room > 0 else "-"
+        fixed, broken = flips(naive, method)
+        print(f"| {name} | {naive.mean():.3f} | {oracle.mean():.3f} | {ci(naive, oracle, args)} "
+              f"| {ci(naive, method, args)} | {share} | {fixed} | {broken} | {int((naive == 0).sum())} |")
     s, g = per[args.small_name], per[args.large_name]
     print(f"\n| {args.large_name} - {args.small_name} | points [95% CI] |")
     print("|---|---|")
-    for label, a, b in (("naive accuracy", g["naive"], s["naive"]), ("oracle accuracy", g["oracle"], s["oracle"]),
-                        ("room", g["room"], s["room"]), (f"{args.method} - naive", g["delta"], s["delta"])):
-        d = a - b
-        lo, hi = interval(d, idx)
-        print(f"| {label} | {100 * d.mean():+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] |")
+    for label, a, b in (("naive accuracy", s["naive"], g["naive"]), ("oracle accuracy", s["oracle"], g["oracle"]),
+                        ("room", s["oracle"] - s["naive"], g["oracle"] - g["naive"]),
+                        (f"{args.method} - naive", s[args.method] - s["naive"], g[args.method] - g["naive"])):
+        print(f"| {label} | {ci(a, b, args)} |")
 
 
 if __name__ == "__main__":
