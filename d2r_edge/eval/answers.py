@@ -39,7 +39,7 @@ from d2r_edge.eval.context import (
 )
 from d2r_edge.eval.detection import DETECTOR_FILE, fit_detector
 from d2r_edge.eval.method_cv import methods_cv
-from d2r_edge.eval.methods import arm_flips, best_fixed_arm, labeled_fixed_arm, run_method
+from d2r_edge.eval.methods import arm_flips, best_fixed_arm, labeled_fixed_arm, run_method, train_arm_table
 from d2r_edge.eval.outcomes import AttemptStore, CachedGenerator
 from d2r_edge.eval.querysets import EvalQuery, QuerySet, load_queryset
 from d2r_edge.eval.report import write_report
@@ -420,6 +420,8 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
             extra["best_fixed_labeled_arm"] = ARM_NAMES[labeled_fixed_arm(ctx, (fixed, broken))]
             extra["arm_flips_on_train"] = {ARM_NAMES[a]: {"fixed": int(fixed[a]), "broken": int(broken[a])}
                                            for a in range(len(ARM_NAMES)) if fixed[a] + broken[a]}
+        if {Method.BEST_FIXED, Method.BEST_FIXED_LABELED} & set(s.methods):
+            extra["arms_on_train"] = train_arm_table(ctx)
         if s.methods_cv_folds:
             with ctx.phase("methods' training cross-validation"):
                 extra["methods_train_cv"] = methods_cv(ctx, s.methods, s.methods_cv_folds)

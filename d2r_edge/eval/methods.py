@@ -173,6 +173,13 @@ def _vote(ctx: Context, q: EvalQuery, method: Method, arm_s: np.ndarray) -> dict
 
 def arm_rewards(ctx: Context, queries: list[EvalQuery]) -> np.ndarray:
     """Mean Eq. 2 reward of each arm over the failing queries where it is allowed (nan: never)."""
+    sums, counts = _arm_reward_sums(ctx, queries)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def _arm_reward_sums(ctx: Context, queries: list[EvalQuery]) -> tuple[np.ndarray, np.ndarray]:
+    """(sum of Eq. 2 rewards, gated queries where the arm is allowed) per arm."""
     from d2r_edge.policy.reward import reward
     from d2r_edge.signals import KGStatus
 
@@ -186,8 +193,19 @@ def arm_rewards(ctx: Context, queries: list[EvalQuery]) -> np.ndarray:
                             device_mem_mib=cost.mem_growth_mib, budget=p.budget.for_attempt(attempt_seconds(first)),
                             cfg=p.reward_cfg, p_wrong=p.repaired_p_wrong(a))
         counts[arm] += 1
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    return sums, counts
+
+
+def train_arm_table(ctx: Context) -> dict[str, dict]:
+    """What the fixed-arm methods choose from, per arm allowed on some gated training query: on how many
+    (`n`), its mean Eq. 2 reward there (best_fixed's ranking) and the answers it fixed and broke by the
+    gold labels (best_fixed_labeled's). An arm allowed on fewer queries (a prompt arm the UNVERIFIED
+    rule keeps off) is ranked by its mean over those alone."""
+    sums, counts = _arm_reward_sums(ctx, ctx.train)
+    fixed, broken = arm_flips(ctx, ctx.train)
+    return {ARM_NAMES[a]: {"n": int(counts[a]), "mean_reward": float(sums[a] / counts[a]),
+                           "fixed": int(fixed[a]), "broken": int(broken[a])}
+            for a in range(len(ARMS)) if counts[a]}
 
 
 def best_fixed_arm(ctx: Context) -> int:

@@ -249,6 +249,24 @@ def _ablation_lines(ab: dict | None) -> list[str]:
     return lines
 
 
+def train_arm_lines(arms: dict | None, reward_arm: str | None, labeled_arm: str | None) -> list[str]:
+    """The training-side table the fixed-arm methods choose from (eval.methods.train_arm_table)."""
+    if not arms:
+        return []
+    lines = ["", "## Arms on the training queries (what best_fixed and best_fixed_labeled choose from)", ""]
+    rows = []
+    for arm, a in sorted(arms.items(), key=lambda kv: -kv[1]["mean_reward"]):
+        chosen = [m for m, pick in (("best_fixed", reward_arm), ("best_fixed_labeled", labeled_arm)) if pick == arm]
+        rows.append([f"`{arm}`", str(a["n"]), f"{a['mean_reward']:.3f}", str(a["fixed"]), str(a["broken"]),
+                     ", ".join(chosen) or "-"])
+    lines += _table(["arm", "gated training queries where allowed", "mean Eq. 2 reward", "fixed", "broken",
+                     "chosen by"], rows)
+    lines += ["", "best_fixed ranks by the mean reward, best_fixed_labeled by fixed net of broken (gold labels); "
+                  "each arm's mean is over the queries where it is allowed, so an arm the UNVERIFIED rule keeps "
+                  "off most gated queries is ranked by the few it may act on."]
+    return lines
+
+
 def methods_cv_lines(cv: dict | None) -> list[str]:
     """The methods' training cross-validation (eval.method_cv) and the default it chooses."""
     if not cv:
@@ -419,6 +437,8 @@ def markdown(summary: dict) -> str:
                           for a, f in (summary.get("arm_flips_on_train") or {}).items())
         lines.append(f"best_fixed_labeled uses `{summary['best_fixed_labeled_arm']}` (most training answers fixed "
                      f"net of those broken; fixed/broken per arm on the gated training queries: {flips}).")
+    lines += train_arm_lines(summary.get("arms_on_train"), summary.get("best_fixed_arm"),
+                             summary.get("best_fixed_labeled_arm"))
     lines += methods_cv_lines(summary.get("methods_train_cv"))
     forms = summary.get("hypothesis_forms_on_train")
     if forms:
