@@ -415,13 +415,13 @@ def evaluate(s: EvalSettings, attempts: AttemptComputer | None = None) -> dict:
                  "answers_per_query": _answers_per_query(ctx)}
         if Method.BEST_FIXED in s.methods:
             extra["best_fixed_arm"] = ARM_NAMES[best_fixed_arm(ctx)]
-        if Method.BEST_FIXED_LABELED in s.methods:
-            fixed, broken = arm_flips(ctx, ctx.train)
-            extra["best_fixed_labeled_arm"] = ARM_NAMES[labeled_fixed_arm(ctx, (fixed, broken))]
-            extra["arm_flips_on_train"] = {ARM_NAMES[a]: {"fixed": int(fixed[a]), "broken": int(broken[a])}
-                                           for a in range(len(ARM_NAMES)) if fixed[a] + broken[a]}
         if {Method.BEST_FIXED, Method.BEST_FIXED_LABELED} & set(s.methods):
-            extra["arms_on_train"] = train_arm_table(ctx)
+            flips = arm_flips(ctx, ctx.train)
+            extra["arms_on_train"] = train_arm_table(ctx, flips)
+        if Method.BEST_FIXED_LABELED in s.methods:
+            extra["best_fixed_labeled_arm"] = ARM_NAMES[labeled_fixed_arm(ctx, flips)]
+            extra["arm_flips_on_train"] = {a: {"fixed": t["fixed"], "broken": t["broken"]}
+                                           for a, t in extra["arms_on_train"].items() if t["fixed"] + t["broken"]}
         if s.methods_cv_folds:
             with ctx.phase("methods' training cross-validation"):
                 extra["methods_train_cv"] = methods_cv(ctx, s.methods, s.methods_cv_folds)

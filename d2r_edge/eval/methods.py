@@ -196,13 +196,13 @@ def _arm_reward_sums(ctx: Context, queries: list[EvalQuery]) -> tuple[np.ndarray
     return sums, counts
 
 
-def train_arm_table(ctx: Context) -> dict[str, dict]:
+def train_arm_table(ctx: Context, flips: tuple[np.ndarray, np.ndarray]) -> dict[str, dict]:
     """What the fixed-arm methods choose from, per arm allowed on some gated training query: on how many
     (`n`), its mean Eq. 2 reward there (best_fixed's ranking) and the answers it fixed and broke by the
     gold labels (best_fixed_labeled's). An arm allowed on fewer queries (a prompt arm the UNVERIFIED
-    rule keeps off) is ranked by its mean over those alone."""
+    rule keeps off) is ranked by its mean over those alone. `flips`: arm_flips(ctx, ctx.train)."""
     sums, counts = _arm_reward_sums(ctx, ctx.train)
-    fixed, broken = arm_flips(ctx, ctx.train)
+    fixed, broken = flips
     return {ARM_NAMES[a]: {"n": int(counts[a]), "mean_reward": float(sums[a] / counts[a]),
                            "fixed": int(fixed[a]), "broken": int(broken[a])}
             for a in range(len(ARMS)) if counts[a]}
