@@ -816,14 +816,24 @@ def test_best_fixed_labeled_picks_the_arm_that_fixes_most_net_of_what_it_breaks(
     assert ARM_NAMES[labeled_fixed_arm(tie)] == "dense_k3"
 
 
-def test_eval_answers_reports_the_training_arm_table_both_fixed_methods_choose_from(tmp_path, tiny_models,
-                                                                                      fever_file):
-    """summary.arms_on_train: per arm allowed on a gated training claim, its count, mean Eq. 2 reward and
-    flips; best_fixed's arm has the highest mean reward, best_fixed_labeled's the best net flips, and the
-    report's table names which method chose which arm."""
+def test_eval_answers_runs_best_fixed_labeled_with_the_arm_its_training_flips_choose(tmp_path, tiny_models,
+                                                                                    fever_file):
+    """The method through eval answers: its arm is the one the summary's training flips rank first, and every
+    repaired test record carries it; the report names it with the flips. Beside it best_fixed, and the training
+    arm table both choose from (summary.arms_on_train: per arm allowed on a gated training claim, its count,
+    mean Eq. 2 reward and flips): best_fixed's arm has the highest mean reward, and the report's table names
+    which method chose which arm."""
     out = tmp_path / "out"
     _evaluate_hashed(fever_file, tiny_models, out, 20, "--methods", "naive,best_fixed,best_fixed_labeled")
     s = json.loads((out / "summary.json").read_text())
+    arm, flips = s["best_fixed_labeled_arm"], s["arm_flips_on_train"]
+    assert "best_fixed_labeled" in s["methods"]
+    net = {a: f["fixed"] - f["broken"] for a, f in flips.items()}      # an arm absent here flipped nothing: 0
+    assert not net or net.get(arm, 0) >= max(net.values())
+    recs = [r for r in _records(out, "best_fixed_labeled") if r["repaired"]]
+    assert all(r["arm"] == arm for r in recs)
+    assert f"best_fixed_labeled uses `{arm}`" in (out / "report.md").read_text()
+
     arms = s["arms_on_train"]
     assert arms and all(a["n"] > 0 and a["fixed"] + a["broken"] <= a["n"] for a in arms.values())
     assert arms[s["best_fixed_arm"]]["mean_reward"] == max(a["mean_reward"] for a in arms.values())
@@ -837,19 +847,3 @@ def test_eval_answers_reports_the_training_arm_table_both_fixed_methods_choose_f
         assert f"| `{k}` | {a['n']} | {a['mean_reward']:.3f} | {a['fixed']} | {a['broken']} |" in report
     chosen = [line for line in report.splitlines() if line.startswith(f"| `{s['best_fixed_arm']}` |")]
     assert "best_fixed" in chosen[0].split("|")[-2]
-
-
-def test_eval_answers_runs_best_fixed_labeled_with_the_arm_its_training_flips_choose(tmp_path, tiny_models,
-                                                                                    fever_file):
-    """The method through eval answers: its arm is the one the summary's training flips rank first, and every
-    repaired test record carries it; the report names it with the flips."""
-    out = tmp_path / "out"
-    _evaluate_hashed(fever_file, tiny_models, out, 20, "--methods", "naive,best_fixed_labeled")
-    s = json.loads((out / "summary.json").read_text())
-    arm, flips = s["best_fixed_labeled_arm"], s["arm_flips_on_train"]
-    assert "best_fixed_labeled" in s["methods"]
-    net = {a: f["fixed"] - f["broken"] for a, f in flips.items()}      # an arm absent here flipped nothing: 0
-    assert not net or net.get(arm, 0) >= max(net.values())
-    recs = [r for r in _records(out, "best_fixed_labeled") if r["repaired"]]
-    assert all(r["arm"] == arm for r in recs)
-    assert f"best_fixed_labeled uses `{arm}`" in (out / "report.md").read_text()
